@@ -1,0 +1,55 @@
+# miles — one command each: `make test` (lint + every test this machine can run), `make e2e`.
+# Every target depends on `setup`, so a fresh clone needs no manual step.
+
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+TINY_DIR ?= .cache/tiny-wan
+NPROC ?= 4
+TORCHRUN := $(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC)
+
+.PHONY: setup lint format test test-fast e2e e2e-gpu e2e-bands tiny-model bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# Without CUDA, install the CPU torch wheel first so nothing pulls a multi-GB CUDA build.
+	if ! command -v nvidia-smi >/dev/null 2>&1; then \
+		$(PY) -m pip install -q torch==2.13.0 || \
+		$(PY) -m pip install -q torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu; \
+	fi
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: setup
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+tiny-model: setup
+	$(PY) -m miles.models.tiny $(TINY_DIR)
+
+# Lint, then every test this machine can run (GPU tests skip themselves without CUDA).
+test: lint tiny-model
+	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(PY) -m pytest -q tests
+
+test-fast: setup tiny-model
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q tests/unit
+
+# The main job: a short GRPO run of the tiny recipe, 4 CPU processes as dp2 x sp2.
+e2e: tiny-model
+	HF_HUB_OFFLINE=1 WANDB_MODE=offline OMP_NUM_THREADS=1 $(TORCHRUN) train_grpo.py \
+		--config configs/tiny_cpu.yaml --sequence-parallel-size 2
+
+# The same recipe shape on one GPU.
+e2e-gpu: tiny-model
+	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(VENV)/bin/torchrun --standalone --nproc-per-node 1 train_grpo.py \
+		--config configs/tiny_gpu.yaml
+
+clean:
+	rm -rf runs wandb .pytest_cache .ruff_cache

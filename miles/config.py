@@ -1,0 +1,354 @@
+"""Configuration: nested dataclasses, a YAML recipe, command-line overrides.
+
+    torchrun ... train_grpo.py --config configs/tiny_cpu.yaml --train.learning-rate 3e-5
+
+The recipe file is loaded strictly (an unknown key, a wrong type, or a string where a number
+belongs is an error that names the key), then tyro applies the command-line flags on top.
+Every field's docstring is its ``--help`` text. The parallel flags keep the seed's names
+(``--sequence-parallel-size``, ``--ulysses-degree``, ``--fsdp-attention-backend``,
+``--deterministic-mode``) without a section prefix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import types
+import typing
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import tyro
+import yaml
+
+_NO_PREFIX = tyro.conf.arg(prefix_name=False)
+
+
+@dataclasses.dataclass(kw_only=True)
+class RunConfig:
+    output_dir: str = "runs"
+    """Parent folder of run directories; a run writes to ``output_dir/name``."""
+    name: str = "tiny"
+    """Run name: the run directory and the wandb run name."""
+    seed: int = 0
+    """Seed for noise, prompt order and initialisation; every rank derives its streams from it."""
+    wandb_mode: Literal["offline", "online", "disabled"] = "offline"
+    """wandb mode. ``offline`` writes under the run directory (``wandb sync`` it later)."""
+    wandb_project: str = "miles"
+    """wandb project name."""
+    log_video_every: int = 0
+    """Log sample videos (with prompts and rewards) every N steps; 0 turns it off."""
+    progress: bool = True
+    """Show progress bars on rank 0."""
+    collective_timeout_s: float = 600.0
+    """A collective that does not complete in this many seconds ends the job (a dead rank)."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class ModelConfig:
+    path: str | None = None
+    """Local diffusers Wan folder (Wan2.1 T2V, Wan2.2 TI2V-5B or A14B). None: the embedded tiny
+    model, built on demand under ``tiny_model_dir``."""
+    tiny_variant: Literal["two_expert", "single_expert"] = "two_expert"
+    """Which embedded tiny model to use when ``path`` is None."""
+    tiny_model_dir: str = ".cache/tiny-wan"
+    """Where the embedded tiny models are built (``make tiny-model``)."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Parameter and compute dtype of the transformer(s) in rollout and training (bf16 on GPU)."""
+    text_encoder_dtype: Literal["float32", "bfloat16"] = "float32"
+    """dtype of the frozen text encoder."""
+    vae_dtype: Literal["float32", "bfloat16"] = "float32"
+    """dtype of the frozen VAE."""
+    activation_checkpointing: bool = False
+    """Recompute each transformer block in the backward pass (less memory, ~30% more compute)."""
+    lora_rank: int = 0
+    """LoRA rank; 0 trains all parameters of the transformer(s)."""
+    lora_alpha: float = 64.0
+    """LoRA alpha (scale = alpha / rank)."""
+    lora_target_modules: list[str] = dataclasses.field(
+        default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2"]
+    )
+    """Module names LoRA adapts."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class ParallelConfig:
+    sequence_parallel_size: Annotated[int, _NO_PREFIX] = 1
+    """Ranks that share one sample's token sequence (sp = ulysses x ring). 1 turns SP off."""
+    ulysses_degree: Annotated[int, _NO_PREFIX] = 0
+    """Ulysses (all-to-all over heads) degree inside sp; ring = sp / ulysses. 0: the largest
+    degree that divides both the heads and sp."""
+    fsdp_attention_backend: Annotated[str | None, _NO_PREFIX] = None
+    """diffusers attention backend (``_native_cudnn``, ``_native_flash``, ``native``...). Also picks
+    the ring kernel when ring > 1. None: cudnn on CUDA where available, else the native default."""
+    deterministic_mode: Annotated[bool, _NO_PREFIX] = False
+    """torch.use_deterministic_algorithms(True): double runs give bitwise identical results."""
+    reshard_after_forward: bool = True
+    """FSDP2: free the gathered parameters after each block's forward (ZeRO-3)."""
+    rollout_unsharded: bool = True
+    """Rollout: gather the parameters once per rollout instead of once per block per denoising
+    step (uses one full copy of the transformer's weights per rank while sampling)."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class DataConfig:
+    prompt_file: str | None = None
+    """Prompt file: ``.txt`` (one a line) or ``.jsonl`` (objects with ``prompt``). None: the
+    project's small built-in prompt list."""
+    prompts_per_rank: int = 2
+    """Prompt groups each dp rank samples per rollout."""
+    group_size: int = 4
+    """Samples per prompt (the GRPO group, G >= 2)."""
+    negative_prompt: str = ""
+    """Negative prompt for classifier-free guidance."""
+    max_sequence_length: int = 512
+    """Text tokens fed to the text encoder (Wan uses 512)."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class RolloutConfig:
+    num_frames: int = 5
+    """Video frames (4k+1)."""
+    height: int = 64
+    """Frame height in pixels (a multiple of 16)."""
+    width: int = 64
+    """Frame width in pixels (a multiple of 16)."""
+    num_steps: int = 8
+    """Denoising steps per rollout."""
+    shift: float = 3.0
+    """Flow-matching timestep shift (Wan: 3.0 at 480p, 5.0 at 720p)."""
+    guidance_scale: float = 4.0
+    """CFG scale of the (high-noise) expert; <= 1 turns CFG off."""
+    guidance_scale_2: float | None = None
+    """CFG scale of the low-noise expert (two-expert models); None: same as guidance_scale."""
+    noise_level: float = 0.7
+    """SDE noise level a in sigma_t = a * sqrt(sigma / (1 - sigma))."""
+    timestep_fraction: float = 0.6
+    """Fraction of denoising steps that use the SDE (and are trained on) when no window is set."""
+    sde_window_size: int = 0
+    """If > 0, the SDE runs on a window of this many consecutive steps, ODE elsewhere."""
+    sde_window_range: list[int] = dataclasses.field(default_factory=lambda: [0, 4])
+    """[lo, hi): the window's first step is drawn uniformly from this range each rollout."""
+    same_noise_per_group: bool = False
+    """Start every sample of a group from the same initial noise."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class RewardConfig:
+    weights: dict[str, float] = dataclasses.field(default_factory=lambda: {"jpeg_incompressibility": 1.0})
+    """Reward name -> weight; the combined reward is the weighted sum."""
+    pickscore_path: str | None = None
+    """Local folder of a PickScore CLIP model (yuvalkirstain/PickScore_v1)."""
+    pickscore_processor_path: str | None = None
+    """Local folder of its processor (laion/CLIP-ViT-H-14-laion2B-s32B-b79K); None: pickscore_path."""
+    num_frames: int = 4
+    """Frames sampled uniformly from each video for frame-level rewards."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class GRPOConfig:
+    clip_range: float = 1e-4
+    """PPO ratio clip epsilon (Flow-GRPO uses 1e-4: per-step log-probs are averaged over many dims)."""
+    adv_clip_max: float = 5.0
+    """Advantages are clipped to [-adv_clip_max, adv_clip_max]."""
+    global_std: bool = False
+    """Normalise advantages by the std over all samples instead of per group."""
+    kl_beta: float = 0.0
+    """Weight of the KL penalty to the reference (initial) policy; 0 turns it off."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class TrainConfig:
+    num_rollouts: int = 3
+    """Rollout batches (each followed by its optimizer steps)."""
+    steps_per_rollout: int = 2
+    """Optimizer steps per rollout batch; the batch's samples are split evenly over them."""
+    learning_rate: float = 1e-4
+    """AdamW learning rate."""
+    weight_decay: float = 1e-4
+    """AdamW weight decay."""
+    adam_betas: list[float] = dataclasses.field(default_factory=lambda: [0.9, 0.999])
+    """AdamW betas."""
+    adam_eps: float = 1e-8
+    """AdamW epsilon."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping norm."""
+    checkpoint_every: int = 0
+    """Save a checkpoint every N rollouts (and at the end); 0: only at the end."""
+    keep_checkpoints: int = 2
+    """Keep the last K checkpoints."""
+    resume: bool = True
+    """Resume from the latest complete checkpoint in the run directory, if any."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class Config:
+    run: RunConfig = dataclasses.field(default_factory=RunConfig)
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+    reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
+    grpo: GRPOConfig = dataclasses.field(default_factory=GRPOConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+
+class ConfigError(ValueError):
+    """A recipe file or flag that cannot be used, with the key it concerns."""
+
+
+def validate(cfg: Config) -> None:
+    """Checks that do not need the world size or the model (those run at startup)."""
+    checks = [
+        (cfg.data.group_size >= 2, "data.group_size must be >= 2 (GRPO normalises within a group)"),
+        (cfg.data.prompts_per_rank >= 1, "data.prompts_per_rank must be >= 1"),
+        (cfg.rollout.num_steps >= 2, "rollout.num_steps must be >= 2"),
+        ((cfg.rollout.num_frames - 1) % 4 == 0, "rollout.num_frames must be 4k+1 (1, 5, 9, ... 81)"),
+        (
+            cfg.rollout.height % 16 == 0 and cfg.rollout.width % 16 == 0,
+            "rollout.height/width must be multiples of 16",
+        ),
+        (0.0 < cfg.rollout.timestep_fraction <= 1.0, "rollout.timestep_fraction must be in (0, 1]"),
+        (cfg.rollout.noise_level >= 0.0, "rollout.noise_level must be >= 0"),
+        (len(cfg.rollout.sde_window_range) == 2, "rollout.sde_window_range must be [lo, hi]"),
+        (cfg.train.num_rollouts >= 1, "train.num_rollouts must be >= 1"),
+        (cfg.train.steps_per_rollout >= 1, "train.steps_per_rollout must be >= 1"),
+        (len(cfg.train.adam_betas) == 2, "train.adam_betas must have two values"),
+        (cfg.model.lora_rank >= 0, "model.lora_rank must be >= 0"),
+        (cfg.parallel.sequence_parallel_size >= 1, "--sequence-parallel-size must be >= 1"),
+        (cfg.parallel.ulysses_degree >= 0, "--ulysses-degree must be >= 0 (0 picks it automatically)"),
+        (bool(cfg.reward.weights), "reward.weights must name at least one reward"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
+    samples = cfg.data.prompts_per_rank * cfg.data.group_size
+    if samples % cfg.train.steps_per_rollout:
+        raise ConfigError(
+            f"data.prompts_per_rank * data.group_size = {samples} samples per rank must divide evenly over "
+            f"train.steps_per_rollout = {cfg.train.steps_per_rollout}"
+        )
+    for name, weight in cfg.reward.weights.items():
+        if not math.isfinite(weight):
+            raise ConfigError(f"reward.weights.{name} must be a finite number, got {weight}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Strict YAML loading
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp))
+
+
+def _check_value(key: str, value: Any, tp: Any) -> Any:
+    """Return ``value`` converted to ``tp`` where lossless (int -> float), else raise naming ``key``."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin is Annotated:
+        return _check_value(key, value, args[0])
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _check_value(key, value, arg)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0])
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{key}: {value!r} is not one of {list(args)}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {type(value).__name__} {value!r}")
+        return [_check_value(f"{key}[{i}]", v, args[0]) for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {type(value).__name__} {value!r}")
+        return {
+            _check_value(key, k, args[0]): _check_value(f"{key}.{k}", v, args[1]) for k, v in value.items()
+        }
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a section (mapping), got {type(value).__name__} {value!r}")
+        return _build(tp, value, key)
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            hint = ""
+            if isinstance(value, str):
+                hint = " (YAML reads a number like 3e-5 as a string: write 3.0e-5)"
+            raise ConfigError(f"{key}: expected a number, got {type(value).__name__} {value!r}{hint}")
+        return float(value)
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {type(value).__name__} {value!r}")
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true or false, got {type(value).__name__} {value!r}")
+        return value
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {type(value).__name__} {value!r}")
+        return value
+    raise AssertionError(f"unsupported config type {_type_name(tp)} at {key}")
+
+
+def _build(cls: type, data: dict, prefix: str = "") -> Any:
+    hints = typing.get_type_hints(cls, include_extras=True)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for name, value in data.items():
+        key = f"{prefix}.{name}" if prefix else str(name)
+        if name not in fields:
+            raise ConfigError(f"unknown config key '{key}'; valid keys here: {sorted(fields)}")
+        kwargs[name] = _check_value(key, value, hints[name])
+    if cls is Config:
+        # Section defaults are filled in first so that validation sees the whole config.
+        return cls(**{n: kwargs.get(n, fields[n].default_factory()) for n in fields})
+    return cls(**kwargs)
+
+
+def load_config_file(path: str | Path) -> Config:
+    """Load a YAML recipe strictly into a :class:`Config`."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    try:
+        return _build(Config, data)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespace]:
+    """``--config FILE`` plus tyro overrides; returns the config and the launcher-level options."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config", default=None)
+    pre.add_argument("--dry-run", action="store_true")
+    pre.add_argument("--world-size", type=int, default=None)
+    opts, rest = pre.parse_known_args(argv)
+    default = load_config_file(opts.config) if opts.config else Config()
+    description = (
+        "miles: GRPO fine-tuning of Wan video transformers with sequence parallelism.\n"
+        "Launcher options: --config FILE (YAML recipe), --dry-run (print the plan and exit), "
+        "--world-size N (with --dry-run)."
+    )
+    try:
+        cfg = tyro.cli(Config, default=default, args=rest, description=description)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return cfg, opts
