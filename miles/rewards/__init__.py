@@ -1,0 +1,28 @@
+"""Rewards for GRPO on decoded videos: a registry, the weighted mix, and the built-in rewards.
+
+    rewards = build_rewards({"pickscore": 1.0, "jpeg_compressibility": 0.1},
+                            pickscore_path="/ckpt/PickScore_v1", device="cuda", dtype="bfloat16")
+    combined, per_reward = rewards(videos, prompts)  # videos (B, F, C, H, W) in [0, 1]
+
+Built in: ``jpeg_compressibility``, ``jpeg_incompressibility`` (DDPO), ``pickscore`` (flow_grpo).
+"""
+
+from miles.rewards.base import Reward, frames_to_uint8, sample_frame_indices
+from miles.rewards.jpeg import JpegCompressibility, JpegIncompressibility
+from miles.rewards.pickscore import PickScore
+from miles.rewards.registry import MultiReward, build_rewards, register_reward, registered_rewards
+from miles.rewards.tiny_clip import tiny_clip
+
+__all__ = [
+    "JpegCompressibility",
+    "JpegIncompressibility",
+    "MultiReward",
+    "PickScore",
+    "Reward",
+    "build_rewards",
+    "frames_to_uint8",
+    "register_reward",
+    "registered_rewards",
+    "sample_frame_indices",
+    "tiny_clip",
+]

@@ -1,0 +1,71 @@
+"""The reward interface and the frame helpers every reward shares.
+
+A reward maps decoded videos ``(B, F, C, H, W)`` in [0, 1] and their prompts to one score per
+video, ``(B,)`` float32. Image rewards (JPEG size, PickScore) score a few frames sampled
+uniformly over time and average them: the same reduction flow_grpo-style video trainers use.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+
+class Reward(abc.ABC):
+    """One scalar reward per video. Constructors validate and load their resources, so that
+    ``build_rewards`` fails before the first rollout rather than after it."""
+
+    name: str = ""
+
+    @abc.abstractmethod
+    def __call__(self, videos: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
+        """Score ``videos`` (B, F, C, H, W) in [0, 1] against ``prompts`` (B,) -> (B,) float32."""
+
+
+def check_videos(videos: torch.Tensor, prompts: Sequence[str]) -> None:
+    """Raise ``ValueError`` unless ``videos`` is (B, F, 3, H, W) floating point with B prompts."""
+    if not isinstance(videos, torch.Tensor) or videos.ndim != 5 or not videos.is_floating_point():
+        got = tuple(videos.shape) if isinstance(videos, torch.Tensor) else type(videos).__name__
+        raise ValueError(
+            f"rewards expect a float tensor of decoded frames (B, F, C, H, W) in [0, 1]; got {got}"
+        )
+    if videos.shape[2] != 3:
+        raise ValueError(
+            f"rewards expect RGB frames (C=3 at dim 2 of (B, F, C, H, W)); got shape {tuple(videos.shape)}"
+        )
+    if isinstance(prompts, str) or len(prompts) != videos.shape[0]:
+        n = "a str" if isinstance(prompts, str) else len(prompts)
+        raise ValueError(f"rewards expect one prompt per video: {videos.shape[0]} videos but prompts is {n}")
+
+
+def check_num_frames(num_frames: int | None) -> int | None:
+    """Validate the ``num_frames`` option (a positive int, or None for every frame)."""
+    if num_frames is not None and (
+        isinstance(num_frames, bool) or not isinstance(num_frames, int) or num_frames < 1
+    ):
+        raise ValueError(
+            f"reward.num_frames must be a positive int (or None for all frames); got {num_frames!r}"
+        )
+    return num_frames
+
+
+def sample_frame_indices(num_total: int, num_samples: int | None) -> torch.Tensor:
+    """Indices of ``num_samples`` frames spread uniformly over ``num_total``, first and last included.
+
+    ``round(linspace(0, F - 1, K))``; with ``K >= F`` (or None) every frame is used once.
+    """
+    if num_total < 1:
+        raise ValueError(f"cannot sample frames from a video with {num_total} frames")
+    check_num_frames(num_samples)
+    if num_samples is None or num_samples >= num_total:
+        return torch.arange(num_total)
+    return torch.linspace(0, num_total - 1, num_samples, dtype=torch.float64).round().long()
+
+
+def frames_to_uint8(frames: torch.Tensor) -> np.ndarray:
+    """(..., C, H, W) float in [0, 1] -> (..., H, W, C) uint8 numpy, rounding as DDPO/flow_grpo do."""
+    x = (frames.detach().float() * 255).round().clamp(0, 255).to(torch.uint8)
+    return x.movedim(-3, -1).cpu().numpy()
