@@ -1,0 +1,161 @@
+"""Prompt sets and the sampler that deals prompt groups to data-parallel ranks.
+
+``load_prompts`` reads a ``.txt`` file (one prompt a line) or a ``.jsonl`` file (one object a
+line with a ``prompt`` key; the other keys are kept as metadata for rewards such as GenEval).
+
+``GroupSampler`` decides, for every rollout step, which prompts each data-parallel rank
+samples. Each epoch is a seeded permutation of all prompts; a step takes the next
+dp_size × prompts_per_dp_rank of them, rank r gets its disjoint slice, and every prompt is
+repeated group_size times back to back (one GRPO group). Sequence-parallel peers pass the same
+dp_rank and so get the same samples. Everything is a function of (seed, epoch, position), so
+resuming needs only ``state_dict()``. Departures from flow_grpo's DistributedKRepeatSampler:
+whole groups stay on one rank (advantages need no cross-rank gather unless ``global_std``), an
+epoch is a permutation without replacement (the tail shorter than a step is dropped), and the
+position is counted in prompts, so a run resumed on a different dp_size continues the same
+epoch's permutation.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+TINY_PROMPTS = Path(__file__).with_name("tiny_prompts.txt")
+"""The project's own small prompt list, used by the tiny default recipe."""
+
+
+@dataclass(frozen=True)
+class Prompt:
+    text: str
+    metadata: dict[str, Any] = field(default_factory=dict)
+    """Every other key of a JSONL record (empty for .txt files)."""
+
+
+def load_prompts(path: str | Path) -> list[Prompt]:
+    """Prompts from a ``.txt`` or ``.jsonl`` file; blank lines are skipped.
+
+    Raises FileNotFoundError for a missing file and ValueError (naming file and line) for an
+    empty file, a JSONL line that is not a JSON object, or one without a non-empty string
+    ``prompt``.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"prompt file not found: {path}")
+    suffix = path.suffix.lower()
+    if suffix not in (".txt", ".jsonl"):
+        raise ValueError(f"{path}: unsupported prompt file type {suffix!r}; use .txt or .jsonl")
+
+    prompts: list[Prompt] = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            line = line.strip()
+            if not line:
+                continue
+            if suffix == ".txt":
+                prompts.append(Prompt(line))
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from e
+            if not isinstance(record, dict):
+                raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
+            text = record.pop("prompt", None)
+            if not isinstance(text, str) or not text.strip():
+                raise ValueError(f"{path}:{lineno}: needs a non-empty string 'prompt' key")
+            prompts.append(Prompt(text, record))
+    if not prompts:
+        raise ValueError(f"{path}: no prompts in file")
+    return prompts
+
+
+@dataclass(frozen=True)
+class GroupBatch:
+    """The samples one rank generates in one rollout step."""
+
+    prompt_indices: list[int]
+    """prompts_per_dp_rank × group_size indices into the prompt list, each repeated group_size
+    times consecutively."""
+    group_ids: list[int]
+    """Per sample, the group's id within this step, unique across dp ranks
+    (dp_rank × prompts_per_dp_rank + j): the ids ``group_advantages`` normalises over."""
+    epoch: int
+
+
+class GroupSampler:
+    """Deterministic, resumable assignment of prompt groups to data-parallel ranks."""
+
+    def __init__(
+        self,
+        num_prompts: int,
+        prompts_per_dp_rank: int,
+        group_size: int,
+        dp_rank: int,
+        dp_size: int,
+        seed: int = 0,
+    ) -> None:
+        if group_size < 2:
+            raise ValueError(f"group_size must be >= 2 (GRPO normalises within a group), got {group_size}")
+        if prompts_per_dp_rank < 1:
+            raise ValueError(f"prompts_per_dp_rank must be >= 1, got {prompts_per_dp_rank}")
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank must be in [0, dp_size = {dp_size}), got {dp_rank}")
+        self.prompts_per_step = dp_size * prompts_per_dp_rank
+        if num_prompts < self.prompts_per_step:
+            raise ValueError(
+                f"{num_prompts} prompts are fewer than one step needs (dp_size {dp_size} × "
+                f"prompts_per_dp_rank {prompts_per_dp_rank} = {self.prompts_per_step}): add prompts "
+                "or lower prompts_per_dp_rank"
+            )
+        self.num_prompts = num_prompts
+        self.prompts_per_dp_rank = prompts_per_dp_rank
+        self.group_size = group_size
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
+        self.seed = seed
+        self.epoch = 0
+        self.position = 0  # prompts of this epoch's permutation already dealt (to all ranks)
+
+    def permutation(self, epoch: int) -> np.ndarray:
+        """The prompt order of an epoch: depends only on (seed, epoch)."""
+        return np.random.default_rng([self.seed, epoch]).permutation(self.num_prompts)
+
+    def __iter__(self) -> GroupSampler:
+        return self
+
+    def __next__(self) -> GroupBatch:
+        if self.position + self.prompts_per_step > self.num_prompts:
+            self.epoch += 1
+            self.position = 0
+        step_prompts = self.permutation(self.epoch)[self.position : self.position + self.prompts_per_step]
+        self.position += self.prompts_per_step
+        start = self.dp_rank * self.prompts_per_dp_rank
+        mine = step_prompts[start : start + self.prompts_per_dp_rank].tolist()
+        return GroupBatch(
+            prompt_indices=[p for p in mine for _ in range(self.group_size)],
+            group_ids=[start + j for j in range(len(mine)) for _ in range(self.group_size)],
+            epoch=self.epoch,
+        )
+
+    def state_dict(self) -> dict[str, int]:
+        """Identical on every rank; save it from any one."""
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+            "num_prompts": self.num_prompts,
+        }
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        for key in ("seed", "num_prompts"):
+            if key in state and state[key] != getattr(self, key):
+                raise ValueError(
+                    f"sampler state was saved with {key}={state[key]}, this run has {getattr(self, key)}: "
+                    "resume with the same prompt file and seed"
+                )
+        self.epoch = int(state["epoch"])
+        self.position = int(state["position"])

@@ -1,0 +1,99 @@
+"""The Flow-GRPO policy loss: PPO's clipped ratio on per-step SDE log-probs, plus optional KL.
+
+For one SDE step of a batch, with A the (already normalised, clipped) advantages:
+
+    ratio    = exp(logp_new − logp_old)
+    loss_pg  = mean( max(−A·ratio, −A·clamp(ratio, 1 − ε, 1 + ε)) )
+    kl       = mean_dims((mean_new − mean_ref)²) / (2·std²)      (per sample)
+    loss     = loss_pg + β · mean(kl)
+
+The KL is the closed form between the two Gaussian steps N(mean_new, std²) and
+N(mean_ref, std²) of equal std, averaged over latent dims like the log-probs are. As in
+current flow_grpo, std is the full step std σ_t·sqrt(−dt) (early flow_grpo divided by σ_t²
+alone, which scales the KL by 1/|dt|). Diagnostics (clipfrac, approx_kl, ratio_mean) are
+detached.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class PolicyLoss:
+    """Scalar tensors; ``loss`` and ``policy_loss`` carry gradient."""
+
+    loss: Tensor
+    """policy_loss + β·kl: what to backpropagate."""
+    policy_loss: Tensor
+    kl: Tensor
+    """Mean KL to the reference policy (0 without one); detached, the gradient is in ``loss``."""
+    clipfrac: Tensor
+    """Fraction of samples with |ratio − 1| > ε."""
+    approx_kl: Tensor
+    """0.5·mean((logp_new − logp_old)²): how far the policy moved since the rollout."""
+    ratio_mean: Tensor
+
+
+def gaussian_mean_kl(mean: Tensor, ref_mean: Tensor, std: Tensor) -> Tensor:
+    """Per-sample KL (B,) between N(mean, std²) and N(ref_mean, std²), averaged over non-batch dims.
+
+    ``std`` is (B, 1, ..., 1) or broadcastable; it must be the same for both Gaussians.
+    """
+    dims = tuple(range(1, mean.ndim))
+    sq = ((mean.float() - ref_mean.float()) ** 2).mean(dim=dims)
+    return sq / (2 * std.float().reshape(mean.shape[0], -1)[:, 0] ** 2)
+
+
+def grpo_policy_loss(
+    log_prob: Tensor,
+    old_log_prob: Tensor,
+    advantages: Tensor,
+    clip_range: float,
+    *,
+    beta: float = 0.0,
+    mean: Tensor | None = None,
+    ref_mean: Tensor | None = None,
+    std: Tensor | None = None,
+) -> PolicyLoss:
+    """Clipped-ratio loss for one step of B samples: log-probs and advantages are (B,).
+
+    With ``beta > 0``, ``mean`` (current policy's SDE mean, with gradient), ``ref_mean``
+    (reference policy's) and ``std`` are required.
+    """
+    if not (log_prob.shape == old_log_prob.shape == advantages.shape) or log_prob.ndim != 1:
+        raise ValueError(
+            "log_prob, old_log_prob and advantages must all be (B,), got "
+            f"{tuple(log_prob.shape)}, {tuple(old_log_prob.shape)}, {tuple(advantages.shape)}"
+        )
+    log_ratio = log_prob.float() - old_log_prob.float()
+    ratio = torch.exp(log_ratio)
+    adv = advantages.float()
+    unclipped = -adv * ratio
+    clipped = -adv * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
+    policy_loss = torch.maximum(unclipped, clipped).mean()
+
+    if beta > 0:
+        if mean is None or ref_mean is None or std is None:
+            raise ValueError("beta > 0 needs mean, ref_mean and std for the KL term")
+        kl = gaussian_mean_kl(mean, ref_mean, std).mean()
+        loss = policy_loss + beta * kl
+    else:
+        kl = torch.zeros((), device=policy_loss.device)
+        loss = policy_loss
+
+    with torch.no_grad():
+        clipfrac = ((ratio - 1.0).abs() > clip_range).float().mean()
+        approx_kl = 0.5 * (log_ratio**2).mean()
+        ratio_mean = ratio.mean()
+    return PolicyLoss(
+        loss=loss,
+        policy_loss=policy_loss,
+        kl=kl.detach(),
+        clipfrac=clipfrac,
+        approx_kl=approx_kl,
+        ratio_mean=ratio_mean,
+    )

@@ -1,0 +1,345 @@
+"""The rollout sampling loop: Wan denoising with SDE steps that record log-probabilities.
+
+``sample_with_logprob`` runs the whole denoising chain for a batch of prompts and returns a
+``Rollout`` holding, for the K SDE steps only, the latent going in, the latent coming out and
+its log-probability; ``compute_log_prob`` recomputes that log-probability for one stored step
+under the current weights (the GRPO update). Both go through ``predict_velocity`` so CFG and
+expert routing are the same code on both sides: with unchanged weights and the same batch the
+recompute equals the rollout's log-prob bit for bit (fp32, CPU).
+
+- Schedule: σ_i = shift·s/(1 + (shift − 1)·s) with s = 1 − i/T, i = 0..T (σ_0 = 1, σ_T = 0)
+  and timestep t = 1000·σ. This is the shift of Wan's FlowMatch/UniPC schedulers on
+  DanceGRPO's evenly spaced grid; diffusers' schedulers use slightly different grids (UniPC
+  starts at shift(0.999), FlowMatchEuler ends at ~shift(1/1000)) — the endpoints here are exact.
+- SDE steps: the first ⌈fraction·T⌉ steps, or a window of ``sde_window_size`` steps whose start
+  is drawn each rollout from ``[lo, hi)`` (flow_grpo's "SDE window"). The last step (to σ = 0)
+  is never an SDE step: noise injected there would land in the output with no later step to
+  denoise it. All other steps are ODE (Euler) steps and are not recorded.
+- CFG is batched: one forward over [cond; uncond] (2B samples), then v = v_u + g·(v_c − v_u)
+  in fp32. A step uses CFG iff negative embeddings are given and its expert's scale is > 1
+  (diffusers' rule, applied per expert).
+- Wan2.2 experts: ``transformers[0]`` (``transformer``, high noise) runs while
+  t >= boundary_ratio·1000, ``transformers[1]`` (``transformer_2``) below — WanPipeline's rule.
+
+Randomness comes from one ``torch.Generator`` in a fixed order (SDE window, initial noise,
+then one draw per SDE step), so a rollout is a function of the generator's seed: ranks that
+must produce identical samples (sequence-parallel peers) seed their generators identically.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+import torch
+from torch import Tensor, nn
+
+from miles.rollout.sde import ode_step, sde_step_with_logprob
+
+NUM_TRAIN_TIMESTEPS = 1000
+"""Wan's ``num_train_timesteps``: the model is conditioned on t = 1000·σ."""
+
+
+def flow_sigmas(num_steps: int, shift: float = 1.0) -> Tensor:
+    """The (num_steps + 1,) fp32 sigma schedule from 1 to 0, time-shifted as in Wan."""
+    if num_steps < 1:
+        raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+    if shift <= 0:
+        raise ValueError(f"shift must be > 0, got {shift}")
+    s = torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float64)
+    return (shift * s / (1 + (shift - 1) * s)).float()
+
+
+def sde_step_indices(
+    num_steps: int,
+    sde_window_size: int | None = None,
+    sde_window_start_range: tuple[int, int] | None = None,
+    timestep_fraction: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> list[int]:
+    """Indices of the denoising steps that run the SDE (and are trained on), ascending.
+
+    With ``sde_window_size`` (> 0): ``sde_window_size`` consecutive steps starting at an index
+    drawn uniformly from the half-open ``sde_window_start_range`` [lo, hi) (default: every
+    start that fits). Otherwise the first ⌈timestep_fraction·num_steps⌉ steps. Either way the
+    final step (to σ = 0) is excluded, so at most num_steps − 1 steps are returned and the
+    count K does not depend on the draw (every rank runs the same number of training passes).
+    """
+    last = num_steps - 1  # steps 0..last-1 may be SDE steps
+    if num_steps < 2:
+        raise ValueError(f"num_steps must be >= 2 to have an SDE step before the final one, got {num_steps}")
+    if sde_window_size:
+        w = sde_window_size
+        if not 1 <= w <= last:
+            raise ValueError(f"sde_window_size must be in [1, num_steps - 1 = {last}], got {w}")
+        lo, hi = sde_window_start_range if sde_window_start_range is not None else (0, last - w + 1)
+        if not (0 <= lo < hi and hi - 1 + w <= last):
+            raise ValueError(
+                f"sde_window_start_range [lo, hi) = [{lo}, {hi}) with window size {w} must satisfy "
+                f"0 <= lo < hi and hi - 1 + {w} <= {last} (the final step is never an SDE step); "
+                f"lower hi to at most {last - w + 1}"
+            )
+        device = generator.device if generator is not None else "cpu"
+        start = int(torch.randint(lo, hi, (1,), generator=generator, device=device).item())
+        return list(range(start, start + w))
+    if not 0.0 < timestep_fraction <= 1.0:
+        raise ValueError(f"timestep_fraction must be in (0, 1], got {timestep_fraction}")
+    # round() first so that e.g. 0.6 * 10 = 6.000000000000001 gives 6 steps, not 7.
+    count = min(math.ceil(round(timestep_fraction * num_steps, 9)), last)
+    return list(range(count))
+
+
+def expert_index(t: float | Tensor, boundary_ratio: float | None, num_experts: int) -> int:
+    """Which expert denoises at timestep t: WanPipeline's rule, shared by rollout and training.
+
+    0 (``transformer``, high noise) when there is one expert or t >= boundary_ratio·1000,
+    else 1 (``transformer_2``, low noise). t is compared in fp32 as the pipeline compares its
+    fp32 scheduler timestep.
+    """
+    if num_experts == 1:
+        return 0
+    if num_experts != 2:
+        raise ValueError(f"Wan has 1 or 2 experts, got {num_experts}")
+    if boundary_ratio is None:
+        raise ValueError("two experts need a boundary_ratio (Wan2.2 A14B uses 0.875)")
+    t32 = torch.as_tensor(t, dtype=torch.float32)
+    return 0 if bool(t32 >= boundary_ratio * NUM_TRAIN_TIMESTEPS) else 1
+
+
+def cfg_combine(v_cond: Tensor, v_uncond: Tensor, guidance_scale: float) -> Tensor:
+    """Classifier-free guidance: v_u + g·(v_c − v_u)."""
+    return v_uncond + guidance_scale * (v_cond - v_uncond)
+
+
+def _model_dtype(model: nn.Module) -> torch.dtype:
+    dtype = getattr(model, "dtype", None)
+    return dtype if isinstance(dtype, torch.dtype) else next(model.parameters()).dtype
+
+
+def _guidance_per_expert(guidance_scales: float | Sequence[float], num_experts: int) -> list[float]:
+    scales = [float(guidance_scales)] if isinstance(guidance_scales, int | float) else list(guidance_scales)
+    if len(scales) == 1:
+        scales = scales * num_experts
+    if len(scales) != num_experts:
+        raise ValueError(f"give one guidance scale or one per expert ({num_experts}), got {len(scales)}")
+    return scales
+
+
+def predict_velocity(
+    transformers: Sequence[nn.Module],
+    latents: Tensor,
+    t: Tensor,
+    prompt_embeds: Tensor,
+    negative_embeds: Tensor | None,
+    guidance_scales: float | Sequence[float],
+    boundary_ratio: float | None,
+) -> Tensor:
+    """The routed, guided velocity at timestep ``t`` (0-dim tensor) for latents (B, C, F, H, W), fp32."""
+    idx = expert_index(t, boundary_ratio, len(transformers))
+    model = transformers[idx]
+    scale = _guidance_per_expert(guidance_scales, len(transformers))[idx]
+    use_cfg = negative_embeds is not None and scale > 1.0
+
+    batch = latents.shape[0]
+    x = latents.to(_model_dtype(model))
+    context = prompt_embeds
+    if use_cfg:
+        if negative_embeds.shape[0] == 1:
+            negative_embeds = negative_embeds.expand(batch, *negative_embeds.shape[1:])
+        if negative_embeds.shape != prompt_embeds.shape:
+            raise ValueError(
+                f"negative_embeds {tuple(negative_embeds.shape)} must match prompt_embeds "
+                f"{tuple(prompt_embeds.shape)} (pad both to the same text length) for batched CFG"
+            )
+        x = torch.cat([x, x])  # (2B, C, F, H, W): [cond; uncond]
+        context = torch.cat([prompt_embeds, negative_embeds.to(prompt_embeds.dtype)])
+    timestep = t.to(latents.device, torch.float32).expand(x.shape[0])
+    out = model(hidden_states=x, timestep=timestep, encoder_hidden_states=context, return_dict=False)[0]
+    out = out.float()
+    if use_cfg:
+        v_cond, v_uncond = out.chunk(2)
+        return cfg_combine(v_cond, v_uncond, scale)
+    return out
+
+
+@dataclass
+class Rollout:
+    """One batch of sampled trajectories; K = number of SDE steps. All float tensors are fp32."""
+
+    latents: Tensor
+    """(B, K, C, F, H, W): the latent entering each SDE step."""
+    next_latents: Tensor
+    """(B, K, C, F, H, W): the latent the SDE step produced (what training scores)."""
+    log_probs: Tensor
+    """(B, K): log-probability of ``next_latents`` under the sampling policy."""
+    timesteps: Tensor
+    """(K,): model timestep t = 1000·σ of each SDE step."""
+    sigmas: Tensor
+    """(K,): σ at each SDE step."""
+    sigma_next: Tensor
+    """(K,): σ after each SDE step."""
+    step_indices: list[int]
+    """The K denoising-step indices (into the schedule) of the SDE steps."""
+    final_latents: Tensor
+    """(B, C, F, H, W): the clean latent at σ = 0, for decoding and reward."""
+
+    @property
+    def num_sde_steps(self) -> int:
+        return len(self.step_indices)
+
+    def select(self, batch_indices: Tensor | Sequence[int]) -> Rollout:
+        """The rollout restricted to some samples (e.g. a training micro-batch)."""
+        idx = torch.as_tensor(batch_indices, dtype=torch.long, device=self.latents.device)
+        per_sample = {"latents", "next_latents", "log_probs", "final_latents"}
+        return Rollout(
+            **{
+                f.name: getattr(self, f.name)[idx] if f.name in per_sample else getattr(self, f.name)
+                for f in fields(self)
+            }
+        )
+
+    def to(self, device: torch.device | str) -> Rollout:
+        return Rollout(
+            **{
+                f.name: v.to(device) if isinstance(v, Tensor) else v
+                for f in fields(self)
+                for v in [getattr(self, f.name)]
+            }
+        )
+
+
+def initial_noise(
+    num_samples: int,
+    latent_shape: Sequence[int],
+    generator: torch.Generator | None,
+    group_size: int | None = None,
+    device: torch.device | str | None = None,
+) -> Tensor:
+    """fp32 N(0, I) noise (num_samples, *latent_shape); with ``group_size``, each run of
+    ``group_size`` consecutive samples (a GRPO group) shares one draw."""
+    device = device if device is not None else (generator.device if generator is not None else "cpu")
+    if group_size is None:
+        return torch.randn(num_samples, *latent_shape, generator=generator, device=device)
+    if group_size < 1 or num_samples % group_size:
+        raise ValueError(f"num_samples ({num_samples}) must be a multiple of group_size ({group_size})")
+    noise = torch.randn(num_samples // group_size, *latent_shape, generator=generator, device=device)
+    return noise.repeat_interleave(group_size, dim=0)
+
+
+@torch.no_grad()
+def sample_with_logprob(
+    transformers: Sequence[nn.Module],
+    prompt_embeds: Tensor,
+    negative_embeds: Tensor | None,
+    latent_shape: Sequence[int],
+    *,
+    num_steps: int,
+    shift: float,
+    guidance_scales: float | Sequence[float],
+    boundary_ratio: float | None,
+    noise_level: float,
+    generator: torch.Generator,
+    timestep_fraction: float = 1.0,
+    sde_window_size: int | None = None,
+    sde_window_start_range: tuple[int, int] | None = None,
+    same_noise_per_group: bool = False,
+    group_size: int | None = None,
+    latents: Tensor | None = None,
+) -> Rollout:
+    """Denoise a batch from noise to σ = 0, recording the SDE steps.
+
+    Args:
+        transformers: [transformer] or [transformer, transformer_2] (Wan2.2 high/low noise).
+        prompt_embeds: (B, L, D) text embeddings, one row per sample (groups contiguous).
+        negative_embeds: (B, L, D) or (1, L, D) for CFG, or None for no CFG.
+        latent_shape: (C, F, H, W) of one sample's latent.
+        noise_level: the SDE noise level a; 0 samples with the ODE only (K = 0, e.g. evaluation).
+        generator: on the latents' device; see the module docstring for the draw order.
+        same_noise_per_group / group_size: start each group of ``group_size`` contiguous samples
+            from the same initial noise (the SDE noise still differs per sample).
+        latents: initial noise to use instead of drawing it.
+    """
+    if not 1 <= len(transformers) <= 2:
+        raise ValueError(f"expected 1 or 2 transformers, got {len(transformers)}")
+    batch = prompt_embeds.shape[0]
+    device = prompt_embeds.device
+    sigmas = flow_sigmas(num_steps, shift).to(device)
+    timesteps = sigmas * NUM_TRAIN_TIMESTEPS
+
+    steps = (
+        sde_step_indices(num_steps, sde_window_size, sde_window_start_range, timestep_fraction, generator)
+        if noise_level > 0
+        else []
+    )
+    if latents is None:
+        if same_noise_per_group and group_size is None:
+            raise ValueError("same_noise_per_group needs group_size")
+        latents = initial_noise(
+            batch, latent_shape, generator, group_size if same_noise_per_group else None, device=device
+        )
+    x = latents.float()
+
+    rec_latents, rec_next, rec_logp = [], [], []
+    sde_steps = set(steps)
+    for i in range(num_steps):
+        v = predict_velocity(
+            transformers, x, timesteps[i], prompt_embeds, negative_embeds, guidance_scales, boundary_ratio
+        )
+        if i in sde_steps:
+            step = sde_step_with_logprob(v, x, sigmas[i], sigmas[i + 1], noise_level, generator=generator)
+            rec_latents.append(x)
+            rec_next.append(step.prev_sample)
+            rec_logp.append(step.log_prob)
+            x = step.prev_sample
+        else:
+            x = ode_step(v, x, sigmas[i], sigmas[i + 1])
+
+    k_idx = torch.tensor(steps, dtype=torch.long, device=device)
+    empty = x.new_empty(batch, 0, *x.shape[1:])
+    return Rollout(
+        latents=torch.stack(rec_latents, dim=1) if steps else empty,
+        next_latents=torch.stack(rec_next, dim=1) if steps else empty.clone(),
+        log_probs=torch.stack(rec_logp, dim=1) if steps else x.new_empty(batch, 0),
+        timesteps=timesteps[k_idx],
+        sigmas=sigmas[k_idx],
+        sigma_next=sigmas[k_idx + 1],
+        step_indices=steps,
+        final_latents=x,
+    )
+
+
+def compute_log_prob(
+    transformers: Sequence[nn.Module],
+    rollout: Rollout,
+    k: int,
+    prompt_embeds: Tensor,
+    negative_embeds: Tensor | None,
+    guidance_scales: float | Sequence[float],
+    boundary_ratio: float | None,
+    noise_level: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Log-prob (B,) of the stored ``next_latents[:, k]`` under the current weights, with the
+    SDE mean (B, C, F, H, W) and std (B, 1, 1, 1, 1); differentiable through the transformer.
+
+    ``prompt_embeds``/``negative_embeds`` must be the rollout's rows for the same samples
+    (use ``Rollout.select`` for micro-batches).
+    """
+    v = predict_velocity(
+        transformers,
+        rollout.latents[:, k],
+        rollout.timesteps[k],
+        prompt_embeds,
+        negative_embeds,
+        guidance_scales,
+        boundary_ratio,
+    )
+    step = sde_step_with_logprob(
+        v,
+        rollout.latents[:, k],
+        rollout.sigmas[k],
+        rollout.sigma_next[k],
+        noise_level,
+        prev_sample=rollout.next_latents[:, k],
+    )
+    return step.log_prob, step.mean, step.std

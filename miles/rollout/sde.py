@@ -1,0 +1,119 @@
+"""One denoising step of the Flow-GRPO SDE sampler, with the log-probability of its result.
+
+Flow matching with the rectified-flow path x_σ = (1 − σ)·x0 + σ·ε and velocity prediction
+v = ε − x0 is integrated from σ = 1 (noise) to σ = 0 (data). Flow-GRPO (Liu et al. 2025,
+"Flow-GRPO: Training Flow Matching Models via Online RL") turns the deterministic ODE into an
+SDE with the same marginals, so every step is a Gaussian policy whose log-density can be
+scored and trained with a clipped-ratio objective:
+
+    σ_t  = a · sqrt(σ / (1 − σ))                      (a = noise level)
+    dt   = σ_next − σ                                  (negative: we integrate towards σ = 0)
+    mean = x · (1 + σ_t²/(2σ) · dt) + v · (1 + σ_t²(1 − σ)/(2σ)) · dt
+    std  = σ_t · sqrt(−dt)
+    prev = mean + std · z,   z ~ N(0, I)
+
+All arithmetic is fp32 whatever the model dtype (a bf16 mean overflows and its rounding
+would swamp the tiny ratio changes GRPO clips at ~1e-4).
+
+Departures from flow_grpo's ``sde_step_with_logprob``:
+- It looks σ up from a diffusers scheduler by timestep; here σ and σ_next are passed in (a
+  float or one per sample), so the step does not depend on a scheduler object.
+- At σ = 1 the SDE's σ_t is infinite; flow_grpo replaces the 1 − σ in the denominator with
+  1 − sigmas[1], the schedule's next-largest sigma. Since σ = 1 only at the first step,
+  that value is exactly this step's σ_next, which is what we use.
+- ``std`` is the full per-step standard deviation σ_t·sqrt(−dt) (flow_grpo's ``std_dev_t``
+  is σ_t alone); it is what the KL term in ``miles.grpo.losses`` divides by.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+_LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
+
+
+@dataclass
+class SDEStep:
+    """Result of one SDE step; every tensor is fp32."""
+
+    prev_sample: Tensor
+    """The next latent (B, ...): sampled, or the one passed in to be scored."""
+    log_prob: Tensor
+    """(B,): log N(prev_sample; mean, std²) averaged over all non-batch dims."""
+    mean: Tensor
+    """(B, ...): mean of the Gaussian step; carries the gradient of the velocity."""
+    std: Tensor
+    """(B, 1, ..., 1): standard deviation σ_t·sqrt(−dt), broadcastable against ``mean``."""
+
+
+def _per_sample(value: float | Tensor, like: Tensor) -> Tensor:
+    """A float, 0-dim or (B,) value as an fp32 (B, 1, ..., 1) tensor on ``like``'s device."""
+    t = torch.as_tensor(value, dtype=torch.float32, device=like.device).reshape(-1)
+    batch = like.shape[0]
+    if t.numel() == 1:
+        t = t.expand(batch)
+    elif t.numel() != batch:
+        raise ValueError(f"expected a scalar or {batch} values (one per sample), got {t.numel()}")
+    return t.reshape(batch, *([1] * (like.ndim - 1)))
+
+
+def sde_std_dev(sigma: Tensor, sigma_next: Tensor, noise_level: float) -> Tensor:
+    """σ_t = a·sqrt(σ / (1 − σ)), with flow_grpo's guard at σ = 1 (see the module docstring)."""
+    denom_sigma = torch.where(sigma == 1.0, sigma_next, sigma)
+    return noise_level * torch.sqrt(sigma / (1.0 - denom_sigma))
+
+
+def sde_step_with_logprob(
+    velocity: Tensor,
+    latents: Tensor,
+    sigma: float | Tensor,
+    sigma_next: float | Tensor,
+    noise_level: float,
+    prev_sample: Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> SDEStep:
+    """One Flow-GRPO SDE step from ``latents`` at ``sigma`` to ``sigma_next``.
+
+    Args:
+        velocity: the (guided) model prediction v, (B, ...), any float dtype.
+        latents: x at ``sigma``, same shape.
+        sigma, sigma_next: a float for the whole batch or a (B,) tensor; 0 <= sigma_next < sigma <= 1.
+        noise_level: a > 0.
+        prev_sample: if given, it is scored instead of sampling a new one (the training recompute).
+        generator: the source of the step noise when sampling (on ``latents``' device).
+    """
+    if noise_level <= 0:
+        raise ValueError(f"noise_level must be > 0 for an SDE step (got {noise_level}); use ode_step")
+    velocity = velocity.float()
+    latents = latents.float()
+    sigma_b = _per_sample(sigma, latents)
+    sigma_next_b = _per_sample(sigma_next, latents)
+    dt = sigma_next_b - sigma_b
+
+    std_dev_t = sde_std_dev(sigma_b, sigma_next_b, noise_level)
+    mean = (
+        latents * (1 + std_dev_t**2 / (2 * sigma_b) * dt)
+        + velocity * (1 + std_dev_t**2 * (1 - sigma_b) / (2 * sigma_b)) * dt
+    )
+    std = std_dev_t * torch.sqrt(-dt)
+
+    if prev_sample is None:
+        noise = torch.randn(latents.shape, generator=generator, device=latents.device, dtype=torch.float32)
+        prev_sample = mean + std * noise
+    # The sample is data, not a function of the policy: only the mean carries gradient.
+    prev_sample = prev_sample.detach().float()
+
+    log_density = -((prev_sample - mean) ** 2) / (2 * std**2) - torch.log(std) - _LOG_SQRT_2PI
+    log_prob = log_density.mean(dim=tuple(range(1, log_density.ndim)))
+    return SDEStep(prev_sample=prev_sample, log_prob=log_prob, mean=mean, std=std)
+
+
+def ode_step(velocity: Tensor, latents: Tensor, sigma: float | Tensor, sigma_next: float | Tensor) -> Tensor:
+    """Deterministic Euler step of the flow ODE, x + v·(σ_next − σ), in fp32."""
+    latents = latents.float()
+    dt = _per_sample(sigma_next, latents) - _per_sample(sigma, latents)
+    return latents + velocity.float() * dt
