@@ -134,8 +134,12 @@ def predict_velocity(
     negative_embeds: Tensor | None,
     guidance_scales: float | Sequence[float],
     boundary_ratio: float | None,
+    expand_timesteps: bool = False,
 ) -> Tensor:
-    """The routed, guided velocity at timestep ``t`` (0-dim tensor) for latents (B, C, F, H, W), fp32."""
+    """The routed, guided velocity at timestep ``t`` (0-dim tensor) for latents (B, C, F, H, W), fp32.
+
+    ``expand_timesteps`` (Wan2.2 TI2V) gives the model one timestep per token, (B, S).
+    """
     idx = expert_index(t, boundary_ratio, len(transformers))
     model = transformers[idx]
     scale = _guidance_per_expert(guidance_scales, len(transformers))[idx]
@@ -155,6 +159,10 @@ def predict_velocity(
         x = torch.cat([x, x])  # (2B, C, F, H, W): [cond; uncond]
         context = torch.cat([prompt_embeds, negative_embeds.to(prompt_embeds.dtype)])
     timestep = t.to(latents.device, torch.float32).expand(x.shape[0])
+    if expand_timesteps:
+        pt, ph, pw = model.config.patch_size
+        _, _, f, h, w = x.shape
+        timestep = timestep[:, None].expand(-1, (f // pt) * (h // ph) * (w // pw))
     out = model(hidden_states=x, timestep=timestep, encoder_hidden_states=context, return_dict=False)[0]
     out = out.float()
     if use_cfg:
@@ -218,13 +226,14 @@ def initial_noise(
 ) -> Tensor:
     """fp32 N(0, I) noise (num_samples, *latent_shape); with ``group_size``, each run of
     ``group_size`` consecutive samples (a GRPO group) shares one draw."""
-    device = device if device is not None else (generator.device if generator is not None else "cpu")
+    draw_on = generator.device if generator is not None else (device or "cpu")
+    device = device if device is not None else draw_on
     if group_size is None:
-        return torch.randn(num_samples, *latent_shape, generator=generator, device=device)
+        return torch.randn(num_samples, *latent_shape, generator=generator, device=draw_on).to(device)
     if group_size < 1 or num_samples % group_size:
         raise ValueError(f"num_samples ({num_samples}) must be a multiple of group_size ({group_size})")
-    noise = torch.randn(num_samples // group_size, *latent_shape, generator=generator, device=device)
-    return noise.repeat_interleave(group_size, dim=0)
+    noise = torch.randn(num_samples // group_size, *latent_shape, generator=generator, device=draw_on)
+    return noise.repeat_interleave(group_size, dim=0).to(device)
 
 
 @torch.no_grad()
@@ -246,6 +255,8 @@ def sample_with_logprob(
     same_noise_per_group: bool = False,
     group_size: int | None = None,
     latents: Tensor | None = None,
+    sde_steps: Sequence[int] | None = None,
+    expand_timesteps: bool = False,
 ) -> Rollout:
     """Denoise a batch from noise to σ = 0, recording the SDE steps.
 
@@ -259,6 +270,9 @@ def sample_with_logprob(
         same_noise_per_group / group_size: start each group of ``group_size`` contiguous samples
             from the same initial noise (the SDE noise still differs per sample).
         latents: initial noise to use instead of drawing it.
+        sde_steps: the SDE step indices, chosen by the caller (then no window is drawn here). A
+            distributed trainer picks them once for all ranks so expert routing matches everywhere.
+        expand_timesteps: per-token timesteps (Wan2.2 TI2V).
     """
     if not 1 <= len(transformers) <= 2:
         raise ValueError(f"expected 1 or 2 transformers, got {len(transformers)}")
@@ -267,11 +281,16 @@ def sample_with_logprob(
     sigmas = flow_sigmas(num_steps, shift).to(device)
     timesteps = sigmas * NUM_TRAIN_TIMESTEPS
 
-    steps = (
-        sde_step_indices(num_steps, sde_window_size, sde_window_start_range, timestep_fraction, generator)
-        if noise_level > 0
-        else []
-    )
+    if sde_steps is not None:
+        steps = sorted(int(i) for i in sde_steps)
+        if steps and (noise_level <= 0 or steps[0] < 0 or steps[-1] >= num_steps - 1):
+            raise ValueError(f"sde_steps {steps} must lie in [0, {num_steps - 1}) with noise_level > 0")
+    elif noise_level > 0:
+        steps = sde_step_indices(
+            num_steps, sde_window_size, sde_window_start_range, timestep_fraction, generator
+        )
+    else:
+        steps = []
     if latents is None:
         if same_noise_per_group and group_size is None:
             raise ValueError("same_noise_per_group needs group_size")
@@ -284,7 +303,14 @@ def sample_with_logprob(
     sde_steps = set(steps)
     for i in range(num_steps):
         v = predict_velocity(
-            transformers, x, timesteps[i], prompt_embeds, negative_embeds, guidance_scales, boundary_ratio
+            transformers,
+            x,
+            timesteps[i],
+            prompt_embeds,
+            negative_embeds,
+            guidance_scales,
+            boundary_ratio,
+            expand_timesteps,
         )
         if i in sde_steps:
             step = sde_step_with_logprob(v, x, sigmas[i], sigmas[i + 1], noise_level, generator=generator)
@@ -318,6 +344,7 @@ def compute_log_prob(
     guidance_scales: float | Sequence[float],
     boundary_ratio: float | None,
     noise_level: float,
+    expand_timesteps: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Log-prob (B,) of the stored ``next_latents[:, k]`` under the current weights, with the
     SDE mean (B, C, F, H, W) and std (B, 1, 1, 1, 1); differentiable through the transformer.
@@ -333,6 +360,7 @@ def compute_log_prob(
         negative_embeds,
         guidance_scales,
         boundary_ratio,
+        expand_timesteps,
     )
     step = sde_step_with_logprob(
         v,

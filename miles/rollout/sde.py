@@ -102,7 +102,10 @@ def sde_step_with_logprob(
     std = std_dev_t * torch.sqrt(-dt)
 
     if prev_sample is None:
-        noise = torch.randn(latents.shape, generator=generator, device=latents.device, dtype=torch.float32)
+        # Drawn on the generator's device (a CPU generator gives the same noise on any accelerator).
+        draw_on = generator.device if generator is not None else latents.device
+        noise = torch.randn(latents.shape, generator=generator, device=draw_on, dtype=torch.float32)
+        noise = noise.to(latents.device)
         prev_sample = mean + std * noise
     # The sample is data, not a function of the policy: only the mean carries gradient.
     prev_sample = prev_sample.detach().float()

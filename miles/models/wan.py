@@ -1,0 +1,141 @@
+"""The Wan model backend: load a local diffusers Wan folder, encode prompts, decode videos.
+
+Covers Wan2.1 T2V (one expert), Wan2.2 TI2V-5B (one expert, 2-D timesteps) and Wan2.2 A14B
+(two experts: ``transformer`` for high noise, ``transformer_2`` for low noise, switched at
+``boundary_ratio``), and the embedded tiny model. The text encoder and VAE are frozen and
+replicated on every rank; only the transformer(s) are trained, sharded and sequence-parallel.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from miles.config import ModelConfig
+from miles.models.tiny import tiny_model_path
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_WAN_PIPELINES = {"WanPipeline", "WanImageToVideoPipeline", "WanVideoToVideoPipeline"}
+
+
+@dataclass
+class WanModel:
+    """What the trainer needs of a loaded Wan pipeline."""
+
+    path: Path
+    transformers: list[nn.Module]  # [high-noise expert, low-noise expert] or [the one]
+    boundary_ratio: float | None
+    expand_timesteps: bool  # Wan2.2 TI2V: per-token (2-D) timesteps
+    pipeline: object  # the diffusers WanPipeline (text encoder, tokenizer, VAE)
+
+    @property
+    def num_attention_heads(self) -> int:
+        return self.transformers[0].config.num_attention_heads
+
+    @property
+    def latent_channels(self) -> int:
+        return self.transformers[0].config.in_channels
+
+    def latent_shape(self, num_frames: int, height: int, width: int) -> tuple[int, int, int, int]:
+        vae = self.pipeline.vae
+        t, s = vae.config.scale_factor_temporal, vae.config.scale_factor_spatial
+        return (self.latent_channels, (num_frames - 1) // t + 1, height // s, width // s)
+
+    def num_tokens(self, num_frames: int, height: int, width: int) -> int:
+        """Tokens per sample after patchify: the sequence SP shards."""
+        _, f, h, w = self.latent_shape(num_frames, height, width)
+        pt, ph, pw = self.transformers[0].config.patch_size
+        return (f // pt) * (h // ph) * (w // pw)
+
+    def sequence_parallel_plan(self, transformer: nn.Module):
+        """The SP plan of one expert: the family's pre-attached plan, else the default from _cp_plan."""
+        from miles.sequence_parallel import sequence_parallel_plan
+
+        return sequence_parallel_plan(transformer)
+
+    @torch.no_grad()
+    def encode_prompts(self, prompts: list[str], negative_prompt: str, max_sequence_length: int, device):
+        """(prompt_embeds, negative_embeds), each (B, L, text_dim), via the pipeline's own encoder."""
+        pipe = self.pipeline
+        pos, neg = pipe.encode_prompt(
+            prompt=prompts,
+            negative_prompt=[negative_prompt] * len(prompts),
+            do_classifier_free_guidance=True,
+            max_sequence_length=max_sequence_length,
+            device=device,
+        )
+        return pos, neg
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Latents (B, C, F, H, W) -> frames (B, F, 3, H', W') in [0, 1], fp32."""
+        vae = self.pipeline.vae
+        z = latents.to(vae.dtype)
+        mean = torch.tensor(vae.config.latents_mean, device=z.device, dtype=z.dtype).view(1, -1, 1, 1, 1)
+        inv_std = 1.0 / torch.tensor(vae.config.latents_std, device=z.device, dtype=z.dtype).view(
+            1, -1, 1, 1, 1
+        )
+        z = z / inv_std + mean
+        video = vae.decode(z, return_dict=False)[0]  # (B, 3, F, H, W) in [-1, 1]
+        return ((video.float() / 2 + 0.5).clamp(0, 1)).permute(0, 2, 1, 3, 4).contiguous()
+
+
+def resolve_model_path(cfg: ModelConfig) -> Path:
+    if cfg.path is None:
+        return tiny_model_path(cfg.tiny_model_dir, cfg.tiny_variant)
+    return Path(cfg.path).expanduser()
+
+
+def check_wan_folder(path: Path) -> dict:
+    """Fail with a clear message unless ``path`` is a diffusers Wan folder; returns model_index."""
+    index = path / "model_index.json"
+    if not path.is_dir():
+        raise ValueError(f"model.path {path} is not a folder; point it at a local diffusers Wan folder")
+    if not index.is_file():
+        raise ValueError(
+            f"model.path {path} has no model_index.json: it is not a diffusers folder. Download e.g. "
+            "Wan-AI/Wan2.1-T2V-1.3B-Diffusers (the -Diffusers repos) and point model.path at it"
+        )
+    info = json.loads(index.read_text())
+    if info.get("_class_name") not in _WAN_PIPELINES:
+        raise ValueError(
+            f"model.path {path} holds a {info.get('_class_name')}, not a Wan pipeline ({sorted(_WAN_PIPELINES)})"
+        )
+    for sub in ("transformer", "vae", "text_encoder", "tokenizer"):
+        if not (path / sub).is_dir():
+            raise ValueError(f"model.path {path} lacks the '{sub}' folder of a diffusers Wan pipeline")
+    return info
+
+
+def load_wan(cfg: ModelConfig, device: torch.device) -> WanModel:
+    """Load the pipeline from a local folder (hub never contacted), move it to ``device``."""
+    from diffusers import WanPipeline
+
+    path = resolve_model_path(cfg)
+    check_wan_folder(path)
+    # dtypes at load time: diffusers keeps its fp32-sensitive modules (norms, rope) in fp32.
+    dtypes = {
+        "transformer": DTYPES[cfg.dtype],
+        "transformer_2": DTYPES[cfg.dtype],
+        "text_encoder": DTYPES[cfg.text_encoder_dtype],
+        "vae": DTYPES[cfg.vae_dtype],
+        "default": torch.float32,
+    }
+    pipe = WanPipeline.from_pretrained(path, local_files_only=True, torch_dtype=dtypes)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.text_encoder.to(device).requires_grad_(False).eval()
+    pipe.vae.to(device).requires_grad_(False).eval()
+    experts = [pipe.transformer] + ([pipe.transformer_2] if pipe.transformer_2 is not None else [])
+    for t in experts:
+        t.to(device)
+    return WanModel(
+        path=path,
+        transformers=experts,
+        boundary_ratio=pipe.config.boundary_ratio if len(experts) == 2 else None,
+        expand_timesteps=bool(getattr(pipe.config, "expand_timesteps", False)),
+        pipeline=pipe,
+    )

@@ -1,0 +1,101 @@
+"""Sharded, atomic, resumable checkpoints with torch.distributed.checkpoint (DCP).
+
+Layout under the run directory::
+
+    checkpoints/
+      step_000004/            a complete checkpoint (it has a COMPLETE marker)
+        .metadata, __*_*.distcp   DCP shards: every rank writes its own part
+        trainer.json           counters, data position, config (rank 0)
+        COMPLETE
+      step_000006.partial/    being written, or left by a crash: never loaded, removed on save
+
+A checkpoint is written into ``step_N.partial`` and renamed to ``step_N`` by rank 0 after every
+rank has finished writing, so a crash mid-save leaves no directory that looks complete.
+DCP stores each tensor with its global shape, so a checkpoint loads into any dp x sp layout and
+any world size (FSDP re-shards on load). The rollout noise and SDE windows are derived from the
+seed and the rollout index, so counters + data position are the whole RNG state.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+_NAME = re.compile(r"^step_(\d{6,})$")
+
+
+def checkpoint_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints, oldest first."""
+    root = checkpoint_dir(run_dir)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if _NAME.match(p.name) and (p / "COMPLETE").is_file()]
+    return sorted(found, key=lambda p: int(_NAME.match(p.name).group(1)))
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    found = list_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+def _model_state(models: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    model_sd, optim_sd = get_state_dict(models, optimizer)
+    return {"model": model_sd, "optim": optim_sd}
+
+
+def save_checkpoint(
+    run_dir: Path,
+    step: int,
+    models: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    trainer_state: dict,
+    keep: int,
+) -> Path:
+    """Collective: every rank writes its shards; rank 0 finalises. Returns the checkpoint path."""
+    root = checkpoint_dir(run_dir)
+    final = root / f"step_{step:06d}"
+    partial = root / f"step_{step:06d}.partial"
+    rank = dist.get_rank()
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob("*.partial"):
+            shutil.rmtree(stale, ignore_errors=True)
+        if final.exists():
+            shutil.rmtree(final)
+    dist.barrier()
+    dcp.save(_model_state(models, optimizer), checkpoint_id=str(partial))
+    dist.barrier()
+    if rank == 0:
+        with open(partial / "trainer.json", "w") as f:
+            json.dump(trainer_state, f, indent=1)
+        (partial / "COMPLETE").write_text(f"{step}\n")
+        os.replace(partial, final)
+        for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def load_checkpoint(path: Path, models: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """Collective: load weights and optimizer state into the (already sharded) models; returns
+    the trainer state saved with them."""
+    path = Path(path)
+    if not (path / "COMPLETE").is_file():
+        raise ValueError(f"{path} is not a complete checkpoint (no COMPLETE marker)")
+    state = _model_state(models, optimizer)
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(models, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return json.loads((path / "trainer.json").read_text())

@@ -1,0 +1,99 @@
+"""Rank-aware output: ``print0``, the run directory, and the metrics logger (wandb + JSONL).
+
+Only rank 0 prints and logs; other ranks get a logger whose methods do nothing. wandb runs
+offline by default (its files land in the run directory; ``wandb sync <run>/wandb/offline-run-*``
+uploads them later) and online when the user sets ``--run.wandb-mode online``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+
+def rank() -> int:
+    return (
+        dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", 0))
+    )
+
+
+def print0(*args, **kwargs) -> None:
+    if rank() == 0:
+        print(*args, **kwargs, flush=True)
+
+
+def _scalar(v):
+    if isinstance(v, torch.Tensor):
+        v = v.item()
+    return float(v) if isinstance(v, (int, float, np.floating, np.integer)) else v
+
+
+class MetricsLogger:
+    """Per-step metrics to ``metrics.jsonl`` in the run directory and to wandb (rank 0 only)."""
+
+    def __init__(self, run_dir: Path, config: dict, mode: str, project: str, name: str, enabled: bool):
+        self.enabled = enabled
+        self.run_dir = Path(run_dir)
+        self._wandb = None
+        if not enabled:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._jsonl = open(self.run_dir / "metrics.jsonl", "a")
+        if mode != "disabled":
+            import wandb
+
+            self._wandb = wandb.init(
+                project=project, name=name, dir=str(self.run_dir), mode=mode, config=config, resume="allow"
+            )
+
+    def log(self, metrics: dict, step: int) -> None:
+        if not self.enabled:
+            return
+        row = {"step": step, "time": time.time(), **{k: _scalar(v) for k, v in metrics.items()}}
+        self._jsonl.write(json.dumps(row, allow_nan=True) + "\n")
+        self._jsonl.flush()
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in row.items() if k not in ("step", "time")}, step=step)
+
+    def log_videos(self, videos: torch.Tensor, prompts: list[str], rewards: list[float], step: int) -> None:
+        """Videos (B, F, 3, H, W) in [0, 1] as GIFs in the run directory and in wandb."""
+        if not self.enabled:
+            return
+        from PIL import Image
+
+        out_dir = self.run_dir / "samples" / f"step_{step:06d}"
+        out_dir.mkdir(parents=True, exist_ok=True)
+        entries = []
+        for i, (video, prompt, reward) in enumerate(zip(videos, prompts, rewards)):
+            frames = (video.permute(0, 2, 3, 1).cpu().numpy() * 255).round().astype(np.uint8)
+            images = [Image.fromarray(f) for f in frames]
+            path = out_dir / f"{i:02d}.gif"
+            images[0].save(path, save_all=True, append_images=images[1:], duration=125, loop=0)
+            entries.append((path, prompt, reward))
+        with open(out_dir / "captions.json", "w") as f:
+            json.dump([{"file": p.name, "prompt": pr, "reward": r} for p, pr, r in entries], f, indent=1)
+        if self._wandb is not None:
+            import wandb
+
+            self._wandb.log(
+                {"samples": [wandb.Video(str(p), caption=f"{pr} | {r:.4f}") for p, pr, r in entries]},
+                step=step,
+            )
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        self._jsonl.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def is_finite(x: float) -> bool:
+    return math.isfinite(x)

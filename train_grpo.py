@@ -1,0 +1,45 @@
+"""GRPO fine-tuning of Wan video transformers with USP sequence parallelism and FSDP2.
+
+    torchrun --nproc-per-node 4 train_grpo.py --config configs/tiny_cpu.yaml --sequence-parallel-size 2
+    python train_grpo.py --config configs/wan2_1_t2v_1_3b.yaml --dry-run --world-size 8
+
+See README.md for the recipes and ``--help`` for every option.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch.distributed as dist
+
+from miles.config import ConfigError, parse_args
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        cfg, opts = parse_args(argv)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    if opts.dry_run:
+        from miles.train.dry_run import dry_run
+
+        dry_run(cfg, world_size=opts.world_size)
+        return 0
+
+    from miles.train.trainer import Trainer
+
+    trainer = None
+    try:
+        trainer = Trainer(cfg)
+        trainer.train()
+    finally:
+        if trainer is not None:
+            trainer.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
