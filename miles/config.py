@@ -164,6 +164,10 @@ class TrainConfig:
     """Rollout batches (each followed by its optimizer steps)."""
     steps_per_rollout: int = 2
     """Optimizer steps per rollout batch; the batch's samples are split evenly over them."""
+    micro_batch_size: int = 2
+    """Samples per forward pass, in rollout, decoding and training alike (gradients accumulate
+    within an optimizer step). The same micro-batches in rollout and training make the
+    recomputed log-probs exact; a fixed size makes samples independent of the dp layout."""
     learning_rate: float = 1e-4
     """AdamW learning rate."""
     weight_decay: float = 1e-4
@@ -217,6 +221,7 @@ def validate(cfg: Config) -> None:
         (len(cfg.rollout.sde_window_range) == 2, "rollout.sde_window_range must be [lo, hi]"),
         (cfg.train.num_rollouts >= 1, "train.num_rollouts must be >= 1"),
         (cfg.train.steps_per_rollout >= 1, "train.steps_per_rollout must be >= 1"),
+        (cfg.train.micro_batch_size >= 1, "train.micro_batch_size must be >= 1"),
         (len(cfg.train.adam_betas) == 2, "train.adam_betas must have two values"),
         (cfg.model.lora_rank >= 0, "model.lora_rank must be >= 0"),
         (cfg.parallel.sequence_parallel_size >= 1, "--sequence-parallel-size must be >= 1"),
@@ -227,10 +232,12 @@ def validate(cfg: Config) -> None:
         if not ok:
             raise ConfigError(message)
     samples = cfg.data.prompts_per_rank * cfg.data.group_size
-    if samples % cfg.train.steps_per_rollout:
+    per_step = samples // cfg.train.steps_per_rollout
+    if samples % cfg.train.steps_per_rollout or per_step % cfg.train.micro_batch_size:
         raise ConfigError(
-            f"data.prompts_per_rank * data.group_size = {samples} samples per rank must divide evenly over "
-            f"train.steps_per_rollout = {cfg.train.steps_per_rollout}"
+            f"data.prompts_per_rank * data.group_size = {samples} samples per rank must split into "
+            f"train.steps_per_rollout = {cfg.train.steps_per_rollout} optimizer steps of whole "
+            f"micro-batches of train.micro_batch_size = {cfg.train.micro_batch_size}"
         )
     for name, weight in cfg.reward.weights.items():
         if not math.isfinite(weight):

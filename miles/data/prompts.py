@@ -81,8 +81,8 @@ class GroupBatch:
     """prompts_per_dp_rank × group_size indices into the prompt list, each repeated group_size
     times consecutively."""
     group_ids: list[int]
-    """Per sample, the group's id within this step, unique across dp ranks
-    (dp_rank × prompts_per_dp_rank + j): the ids ``group_advantages`` normalises over."""
+    """Per sample, its group's global index within this step (j × dp_size + dp_rank for the
+    rank's j-th group): unique across dp ranks, the ids ``group_advantages`` normalises over."""
     epoch: int
 
 
@@ -133,11 +133,15 @@ class GroupSampler:
             self.position = 0
         step_prompts = self.permutation(self.epoch)[self.position : self.position + self.prompts_per_step]
         self.position += self.prompts_per_step
-        start = self.dp_rank * self.prompts_per_dp_rank
-        mine = step_prompts[start : start + self.prompts_per_dp_rank].tolist()
+        # Strided: local group j of rank r is global group j * dp_size + r. Splitting every
+        # rank's groups into consecutive optimizer steps then gives each step the same global
+        # groups whatever dp_size is, so dp4, dp2 x sp2 and sp4 train on the same batches.
+        mine = step_prompts[self.dp_rank :: self.dp_size].tolist()
         return GroupBatch(
             prompt_indices=[p for p in mine for _ in range(self.group_size)],
-            group_ids=[start + j for j in range(len(mine)) for _ in range(self.group_size)],
+            group_ids=[
+                j * self.dp_size + self.dp_rank for j in range(len(mine)) for _ in range(self.group_size)
+            ],
             epoch=self.epoch,
         )
 

@@ -4,13 +4,15 @@
                             pickscore_path="/ckpt/PickScore_v1", device="cuda", dtype="bfloat16")
     combined, per_reward = rewards(videos, prompts)  # videos (B, F, C, H, W) in [0, 1]
 
-Built in: ``jpeg_compressibility``, ``jpeg_incompressibility`` (DDPO), ``pickscore`` (flow_grpo).
+Built in: ``jpeg_compressibility``, ``jpeg_incompressibility`` (DDPO), ``pickscore`` (flow_grpo),
+``sharpness`` (continuous, download-free).
 """
 
 from miles.rewards.base import Reward, frames_to_uint8, sample_frame_indices
 from miles.rewards.jpeg import JpegCompressibility, JpegIncompressibility
 from miles.rewards.pickscore import PickScore
 from miles.rewards.registry import MultiReward, build_rewards, register_reward, registered_rewards
+from miles.rewards.sharpness import Sharpness
 from miles.rewards.tiny_clip import tiny_clip
 
 __all__ = [
@@ -19,6 +21,7 @@ __all__ = [
     "MultiReward",
     "PickScore",
     "Reward",
+    "Sharpness",
     "build_rewards",
     "frames_to_uint8",
     "register_reward",

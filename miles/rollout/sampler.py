@@ -248,7 +248,7 @@ def sample_with_logprob(
     guidance_scales: float | Sequence[float],
     boundary_ratio: float | None,
     noise_level: float,
-    generator: torch.Generator,
+    generator: torch.Generator | Sequence[torch.Generator],
     timestep_fraction: float = 1.0,
     sde_window_size: int | None = None,
     sde_window_start_range: tuple[int, int] | None = None,
@@ -266,7 +266,8 @@ def sample_with_logprob(
         negative_embeds: (B, L, D) or (1, L, D) for CFG, or None for no CFG.
         latent_shape: (C, F, H, W) of one sample's latent.
         noise_level: the SDE noise level a; 0 samples with the ODE only (K = 0, e.g. evaluation).
-        generator: on the latents' device; see the module docstring for the draw order.
+        generator: see the module docstring for the draw order; or one generator per sample for
+            the SDE noise (then ``latents`` and ``sde_steps`` must be given).
         same_noise_per_group / group_size: start each group of ``group_size`` contiguous samples
             from the same initial noise (the SDE noise still differs per sample).
         latents: initial noise to use instead of drawing it.

@@ -28,6 +28,7 @@ Departures from flow_grpo's ``sde_step_with_logprob``:
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -67,6 +68,26 @@ def sde_std_dev(sigma: Tensor, sigma_next: Tensor, noise_level: float) -> Tensor
     return noise_level * torch.sqrt(sigma / (1.0 - denom_sigma))
 
 
+def draw_noise(
+    shape: torch.Size | tuple[int, ...],
+    generator: torch.Generator | Sequence[torch.Generator] | None,
+    device: torch.device | str,
+) -> Tensor:
+    """fp32 N(0, I) noise of ``shape`` on ``device``.
+
+    Drawn on the generator's device, so a CPU generator gives the same noise on any accelerator.
+    With one generator per sample (a sequence of ``shape[0]``), sample i's noise depends only on
+    its own generator: how samples are split over ranks or micro-batches does not change it.
+    """
+    if isinstance(generator, Sequence):
+        if len(generator) != shape[0]:
+            raise ValueError(f"{len(generator)} generators for a batch of {shape[0]}")
+        draws = [torch.randn(shape[1:], generator=g, device=g.device, dtype=torch.float32) for g in generator]
+        return torch.stack(draws).to(device)
+    draw_on = generator.device if generator is not None else device
+    return torch.randn(shape, generator=generator, device=draw_on, dtype=torch.float32).to(device)
+
+
 def sde_step_with_logprob(
     velocity: Tensor,
     latents: Tensor,
@@ -74,7 +95,7 @@ def sde_step_with_logprob(
     sigma_next: float | Tensor,
     noise_level: float,
     prev_sample: Tensor | None = None,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | Sequence[torch.Generator] | None = None,
 ) -> SDEStep:
     """One Flow-GRPO SDE step from ``latents`` at ``sigma`` to ``sigma_next``.
 
@@ -84,7 +105,7 @@ def sde_step_with_logprob(
         sigma, sigma_next: a float for the whole batch or a (B,) tensor; 0 <= sigma_next < sigma <= 1.
         noise_level: a > 0.
         prev_sample: if given, it is scored instead of sampling a new one (the training recompute).
-        generator: the source of the step noise when sampling (on ``latents``' device).
+        generator: the source of the step noise when sampling, or one generator per sample.
     """
     if noise_level <= 0:
         raise ValueError(f"noise_level must be > 0 for an SDE step (got {noise_level}); use ode_step")
@@ -102,10 +123,7 @@ def sde_step_with_logprob(
     std = std_dev_t * torch.sqrt(-dt)
 
     if prev_sample is None:
-        # Drawn on the generator's device (a CPU generator gives the same noise on any accelerator).
-        draw_on = generator.device if generator is not None else latents.device
-        noise = torch.randn(latents.shape, generator=generator, device=draw_on, dtype=torch.float32)
-        noise = noise.to(latents.device)
+        noise = draw_noise(latents.shape, generator, latents.device)
         prev_sample = mean + std * noise
     # The sample is data, not a function of the policy: only the mean carries gradient.
     prev_sample = prev_sample.detach().float()

@@ -223,15 +223,12 @@ class Trainer:
         return g
 
     def rollout(self) -> dict:
+        """Sample this rank's prompt groups in fixed micro-batches; the noise of every sample is a
+        function of its global index in the rollout batch only."""
         cfg, r = self.cfg, self.cfg.rollout
         groups = next(self.sampler)
         prompts = [self.prompts[i].text for i in groups.prompt_indices]
         group_ids = torch.as_tensor(groups.group_ids)
-        pos, neg = self.model.encode_prompts(
-            prompts, cfg.data.negative_prompt, cfg.data.max_sequence_length, self.device
-        )
-        dtype = DTYPES[cfg.model.dtype]
-        pos, neg = pos.to(dtype), neg.to(dtype)
         # The SDE steps are the same on every rank (so expert routing and FSDP's collectives match).
         sde_steps = sde_step_indices(
             r.num_steps,
@@ -240,10 +237,21 @@ class Trainer:
             timestep_fraction=r.timestep_fraction,
             generator=self._generator(1, self.rollout_index),
         )
-        micro = len(prompts) // cfg.train.steps_per_rollout
-        rollouts: list[Rollout] = []
-        # Noise depends on the dp rank only: sp peers draw the same samples.
-        noise_gen = self._generator(2, self.rollout_index, self.mesh.dp_rank)
+        latent_shape = self.model.latent_shape(r.num_frames, r.height, r.width)
+        # Keyed by global sample index, so dp4, dp2 x sp2 and sp4 draw the same videos; sp peers
+        # share dp_rank and so share samples.
+        G = cfg.data.group_size
+        sample_ids = [g * G + i % G for i, g in enumerate(groups.group_ids)]  # global sample index
+        init_keys = groups.group_ids if r.same_noise_per_group else sample_ids
+        init_noise = torch.stack(
+            [
+                torch.randn(latent_shape, generator=self._generator(2, self.rollout_index, k))
+                for k in init_keys
+            ]
+        )
+        sde_gens = [self._generator(3, self.rollout_index, k) for k in sample_ids]
+        dtype = DTYPES[cfg.model.dtype]
+        chunks: list[dict] = []
         with (
             unsharded_for_rollout(
                 self.model.transformers,
@@ -252,27 +260,34 @@ class Trainer:
             ),
             torch.no_grad(),
         ):
-            for start in range(0, len(prompts), micro):
-                sl = slice(start, start + micro)
-                rollouts.append(
-                    sample_with_logprob(
-                        self.model.transformers,
-                        pos[sl],
-                        neg[sl],
-                        self.model.latent_shape(r.num_frames, r.height, r.width),
-                        num_steps=r.num_steps,
-                        shift=r.shift,
-                        guidance_scales=self._guidance_scales(),
-                        boundary_ratio=self.model.boundary_ratio,
-                        noise_level=r.noise_level,
-                        generator=noise_gen,
-                        same_noise_per_group=r.same_noise_per_group,
-                        group_size=cfg.data.group_size,
-                        sde_steps=sde_steps,
-                        expand_timesteps=self.model.expand_timesteps,
-                    )
+            for sl in self._micro_slices(len(prompts)):
+                # Text encoding, sampling and decoding all run on the same fixed micro-batches, so
+                # a sample's numbers do not depend on the layout (or on dp), and training's
+                # recompute sees exactly the rollout's batch composition.
+                pos, neg = self.model.encode_prompts(
+                    prompts[sl], cfg.data.negative_prompt, cfg.data.max_sequence_length, self.device
                 )
-        return {"prompts": prompts, "group_ids": group_ids, "pos": pos, "neg": neg, "rollouts": rollouts}
+                ro = sample_with_logprob(
+                    self.model.transformers,
+                    pos.to(dtype),
+                    neg.to(dtype),
+                    latent_shape,
+                    num_steps=r.num_steps,
+                    shift=r.shift,
+                    guidance_scales=self._guidance_scales(),
+                    boundary_ratio=self.model.boundary_ratio,
+                    noise_level=r.noise_level,
+                    generator=sde_gens[sl],
+                    latents=init_noise[sl].to(self.device),
+                    sde_steps=sde_steps,
+                    expand_timesteps=self.model.expand_timesteps,
+                )
+                chunks.append({"slice": sl, "pos": pos.to(dtype), "neg": neg.to(dtype), "rollout": ro})
+        return {"prompts": prompts, "group_ids": group_ids, "chunks": chunks, "sde_steps": sde_steps}
+
+    def _micro_slices(self, n: int) -> list[slice]:
+        mb = self.cfg.train.micro_batch_size
+        return [slice(i, i + mb) for i in range(0, n, mb)]
 
     def _guidance_scales(self) -> list[float]:
         r = self.cfg.rollout
@@ -281,8 +296,8 @@ class Trainer:
 
     def score(self, batch: dict) -> dict:
         """Decode, reward, and group-normalise; rewards are gathered over dp for global statistics."""
-        finals = torch.cat([ro.final_latents for ro in batch["rollouts"]])
-        videos = self.model.decode(finals)
+        with torch.no_grad():
+            videos = torch.cat([self.model.decode(c["rollout"].final_latents) for c in batch["chunks"]])
         combined, per_reward = self.rewards(videos, batch["prompts"])
         stacked = torch.stack([combined, *per_reward.values()])  # (1 + R, B)
         gathered = [torch.empty_like(stacked) for _ in range(self.mesh.dp_size)]
@@ -307,63 +322,67 @@ class Trainer:
             advantages_all=advantages,
         )
         if not torch.isfinite(everything).all():
-            raise NonFiniteError(f"a reward is NaN or inf at rollout {self.rollout_index} (step {self.step})")
+            raise NonFiniteError(
+                f"a reward is NaN or inf at rollout {self.rollout_index} (step {self.step + 1})"
+            )
         return batch
 
     def train_on(self, batch: dict) -> list[dict]:
-        """``steps_per_rollout`` optimizer steps, one per micro batch of the rollout."""
+        """``steps_per_rollout`` optimizer steps over the rollout batch.
+
+        Each step takes its share of micro-batches and accumulates, for every micro-batch and
+        every stored SDE step, the gradient of the clipped-ratio loss (scaled so the step's
+        gradient is the mean over its samples and SDE steps).
+        """
         cfg = self.cfg
+        chunks = batch["chunks"]
+        per_step = len(chunks) // cfg.train.steps_per_rollout
         stats = []
-        for m, ro in enumerate(batch["rollouts"]):
-            micro = ro.final_latents.shape[0]
-            sl = slice(m * micro, (m + 1) * micro)
-            adv = batch["advantages"][sl]
-            num_k = ro.log_probs.shape[1]
-            sums = {
-                "loss": 0.0,
-                "policy_loss": 0.0,
-                "kl": 0.0,
-                "clipfrac": 0.0,
-                "approx_kl": 0.0,
-                "ratio": 0.0,
-            }
+        for m in range(cfg.train.steps_per_rollout):
+            mine = chunks[m * per_step : (m + 1) * per_step]
+            num_k = mine[0]["rollout"].log_probs.shape[1]
+            samples = sum(c["rollout"].log_probs.shape[0] for c in mine)
+            sums = dict.fromkeys(("loss", "policy_loss", "kl", "clipfrac", "approx_kl", "ratio"), 0.0)
             canary = 0.0
-            for k in range(num_k):
-                log_prob, mean, std = compute_log_prob(
-                    self.model.transformers,
-                    ro,
-                    k,
-                    prompt_embeds=batch["pos"][sl],
-                    negative_embeds=batch["neg"][sl],
-                    guidance_scales=self._guidance_scales(),
-                    boundary_ratio=self.model.boundary_ratio,
-                    noise_level=cfg.rollout.noise_level,
-                    expand_timesteps=self.model.expand_timesteps,
-                )
-                ref_mean = self._reference_mean(ro, k, batch, sl) if cfg.grpo.kl_beta > 0 else None
-                out = grpo_policy_loss(
-                    log_prob,
-                    ro.log_probs[:, k].to(log_prob.device),
-                    adv,
-                    cfg.grpo.clip_range,
-                    beta=cfg.grpo.kl_beta,
-                    mean=mean,
-                    ref_mean=ref_mean,
-                    std=std,
-                )
-                (out.loss / num_k).backward()
-                canary += (
-                    log_prob.detach() - ro.log_probs[:, k].to(log_prob.device)
-                ).abs().mean().item() / num_k
-                for key, value in (
-                    ("loss", out.loss),
-                    ("policy_loss", out.policy_loss),
-                    ("kl", out.kl),
-                    ("clipfrac", out.clipfrac),
-                    ("approx_kl", out.approx_kl),
-                    ("ratio", out.ratio_mean),
-                ):
-                    sums[key] += float(value.detach()) / num_k
+            for chunk in mine:
+                ro = chunk["rollout"]
+                adv = batch["advantages"][chunk["slice"]]
+                weight = ro.log_probs.shape[0] / (samples * num_k)
+                for k in range(num_k):
+                    log_prob, mean, std = compute_log_prob(
+                        self.model.transformers,
+                        ro,
+                        k,
+                        prompt_embeds=chunk["pos"],
+                        negative_embeds=chunk["neg"],
+                        guidance_scales=self._guidance_scales(),
+                        boundary_ratio=self.model.boundary_ratio,
+                        noise_level=cfg.rollout.noise_level,
+                        expand_timesteps=self.model.expand_timesteps,
+                    )
+                    old = ro.log_probs[:, k].to(log_prob.device)
+                    ref_mean = self._reference_mean(ro, k, chunk) if cfg.grpo.kl_beta > 0 else None
+                    out = grpo_policy_loss(
+                        log_prob,
+                        old,
+                        adv,
+                        cfg.grpo.clip_range,
+                        beta=cfg.grpo.kl_beta,
+                        mean=mean,
+                        ref_mean=ref_mean,
+                        std=std,
+                    )
+                    (out.loss * weight).backward()
+                    canary += (log_prob.detach() - old).abs().mean().item() * weight
+                    for key, value in (
+                        ("loss", out.loss),
+                        ("policy_loss", out.policy_loss),
+                        ("kl", out.kl),
+                        ("clipfrac", out.clipfrac),
+                        ("approx_kl", out.approx_kl),
+                        ("ratio", out.ratio_mean),
+                    ):
+                        sums[key] += float(value.detach()) * weight
             if not math.isfinite(sums["loss"]):
                 raise NonFiniteError(f"the loss is NaN or inf at step {self.step + 1}")
             grad_norm = self._clip_grad_norm()
@@ -378,11 +397,11 @@ class Trainer:
         return stats
 
     @torch.no_grad()
-    def _reference_mean(self, ro: Rollout, k: int, batch: dict, sl: slice) -> torch.Tensor:
+    def _reference_mean(self, ro: Rollout, k: int, chunk: dict) -> torch.Tensor:
         """The SDE mean of the reference (initial) policy: LoRA adapters off, or the frozen copy."""
         kwargs = dict(
-            prompt_embeds=batch["pos"][sl],
-            negative_embeds=batch["neg"][sl],
+            prompt_embeds=chunk["pos"],
+            negative_embeds=chunk["neg"],
             guidance_scales=self._guidance_scales(),
             boundary_ratio=self.model.boundary_ratio,
             noise_level=self.cfg.rollout.noise_level,
@@ -480,7 +499,7 @@ class Trainer:
         cfg = self.cfg
         rewards = batch["reward_all"]
         adv = batch["advantages_all"]
-        num_k = batch["rollouts"][0].log_probs.shape[1]
+        num_k = len(batch["sde_steps"])
         samples = rewards.numel()
         metrics = {
             "rollout": self.rollout_index,

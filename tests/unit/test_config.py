@@ -53,7 +53,7 @@ def test_semantic_validation(tmp_path):
 
 
 def test_cli_overrides_file_and_seed_flags(tmp_path):
-    path = _write(tmp_path, "train:\n  learning_rate: 0.5\ndata:\n  group_size: 3\n")
+    path = _write(tmp_path, "train:\n  learning_rate: 0.5\ndata:\n  group_size: 6\n")
     cfg, opts = parse_args(
         [
             "--config",
@@ -70,7 +70,7 @@ def test_cli_overrides_file_and_seed_flags(tmp_path):
         ]
     )
     assert cfg.train.learning_rate == 3e-5  # the flag wins, and argparse-style 3e-5 is a float
-    assert cfg.data.group_size == 3  # the file value survives
+    assert cfg.data.group_size == 6  # the file value survives
     p = cfg.parallel
     assert (p.sequence_parallel_size, p.ulysses_degree, p.fsdp_attention_backend, p.deterministic_mode) == (
         4,

@@ -93,7 +93,7 @@ def test_ranks_get_disjoint_whole_groups():
             for j in range(per_rank):
                 chunk = b.prompt_indices[j * group : (j + 1) * group]
                 assert len(set(chunk)) == 1  # one prompt repeated G times, back to back
-                assert b.group_ids[j * group : (j + 1) * group] == [rank * per_rank + j] * group
+                assert b.group_ids[j * group : (j + 1) * group] == [j * dp_size + rank] * group
                 seen.append(chunk[0])
         assert len(seen) == len(set(seen)) == dp_size * per_rank  # disjoint across ranks
     # An epoch never repeats a prompt; the 2-prompt tail is dropped, then a new epoch starts.

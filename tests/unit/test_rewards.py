@@ -272,3 +272,20 @@ def test_pickscore_missing_path_fails_before_loading(clip_dir, tmp_path, monkeyp
         build_rewards({"pickscore": 1.0}, pickscore_path=clip_dir, pickscore_processor_path=tmp_path)
     with pytest.raises(ValueError, match=r"reward\.dtype"):
         build_rewards({"pickscore": 1.0}, pickscore_path=clip_dir, dtype="float8")
+
+
+def test_sharpness_against_numpy_reference():
+    import numpy as np
+
+    from miles.rewards import build_rewards
+
+    g = torch.Generator().manual_seed(7)
+    videos = torch.rand(3, 5, 3, 12, 10, generator=g)
+    videos[1] = 0.5  # flat video: no gradient at all
+    got, _ = build_rewards({"sharpness": 1.0}, num_frames=2)(videos, ["a", "b", "c"])
+    v = videos.numpy().astype(np.float64)[:, [0, 4]]  # frames sampled uniformly: first and last
+    y = 0.299 * v[:, :, 0] + 0.587 * v[:, :, 1] + 0.114 * v[:, :, 2]
+    ref = np.abs(np.diff(y, axis=-1)).mean(axis=(-2, -1)) + np.abs(np.diff(y, axis=-2)).mean(axis=(-2, -1))
+    ref = 10 * ref.mean(axis=1)
+    np.testing.assert_allclose(got.numpy(), ref, rtol=1e-6)
+    assert got[1] == 0 and got[0] > 0

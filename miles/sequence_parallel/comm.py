@@ -1,0 +1,118 @@
+"""Differentiable collectives of sequence parallelism: shard, gather, Ulysses all-to-all.
+
+- ``shard_sequence``: keep this rank's chunk of a full-sequence tensor (backward: the slice's
+  gradient, zero elsewhere — each rank only sees its own tokens).
+- ``gather_sequence``: all-gather the chunks back into the full sequence. Its backward
+  all-reduces (SUM) the full gradient over the sp group and returns the local slice. Every sp
+  rank computes the same loss from the same full output, so each rank's local gradient is
+  then ``sp x`` its share; FSDP's mean over dp x sp turns that back into the dp mean exactly:
+  (1/(dp·sp)) · Σ_dp Σ_sp sp·g_local = (1/dp) · Σ_dp g.
+- ``ulysses_all_to_all``: (B, S/sp, H, D) -> (B, S/ring, H/u, D) and its inverse; an
+  equal-split all-to-all is its own adjoint, so the backward is the opposite all-to-all.
+
+Groups are always passed in; nothing here keeps a process group.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["shard_sequence", "gather_sequence", "ulysses_all_to_all", "ulysses_all_to_all_inverse"]
+
+
+# torch 2.13 renamed all_gather_into_tensor (deprecated there); torch 2.11 has only the old name.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _group_size(group: dist.ProcessGroup | None) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def shard_sequence(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """This rank's contiguous chunk of ``x`` along ``dim`` (chunk index = rank in ``group``)."""
+    size = _group_size(group)
+    length = x.size(dim)
+    if length % size != 0:
+        raise ValueError(
+            f"sequence length {length} (tensor dim {dim} of shape {tuple(x.shape)}) is not divisible by the "
+            f"sequence-parallel size {size}; padding is not implemented. Change the video size (frames, "
+            f"height, width) so the number of patchified tokens is a multiple of {size}, or choose a "
+            f"--sequence-parallel-size that divides {length}."
+        )
+    chunk = length // size
+    return x.narrow(dim, dist.get_rank(group) * chunk, chunk).contiguous()
+
+
+class _GatherSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.dim, ctx.group = dim, group
+        size = dist.get_world_size(group)
+        # Gather along dim 0 into one buffer: (size * chunk, ...) then move the axis back.
+        local = x.movedim(dim, 0).contiguous()
+        out = local.new_empty((size * local.shape[0], *local.shape[1:]))
+        _all_gather_single(out, local, group=group)
+        return out.movedim(0, dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        # A copy: the all-reduce is in place and the incoming gradient may be referenced elsewhere.
+        grad = grad.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
+        size, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+        chunk = grad.size(ctx.dim) // size
+        return grad.narrow(ctx.dim, rank * chunk, chunk).contiguous(), None, None
+
+
+def gather_sequence(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """All-gather the sequence chunks of ``group`` along ``dim``; backward = SUM over sp, local slice."""
+    return _GatherSequence.apply(x, dim, group)
+
+
+class _AllToAll(torch.autograd.Function):
+    """Equal-split all-to-all along dim 0: chunk j goes to rank j, chunk j of the result came from rank j."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        out = torch.empty_like(grad)
+        dist.all_to_all_single(out, grad, group=ctx.group)
+        return out, None
+
+
+def ulysses_all_to_all(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Shard heads, gather sequence: (B, s, H, D) -> (B, u·s, H/u, D) over a Ulysses group of size u."""
+    u = _group_size(group)
+    if u == 1:
+        return x
+    b, s, h, d = x.shape
+    if h % u != 0:
+        raise ValueError(f"{h} attention heads are not divisible by the ulysses degree {u}")
+    # (B, s, H, D) -> (u, B, s, H/u, D): chunk j (head group j) is sent to Ulysses rank j.
+    x = x.reshape(b, s, u, h // u, d).permute(2, 0, 1, 3, 4)
+    x = _AllToAll.apply(x, group)
+    # (u, B, s, H/u, D), chunk j = rank j's tokens -> (B, u·s, H/u, D)
+    return x.permute(1, 0, 2, 3, 4).reshape(b, u * s, h // u, d)
+
+
+def ulysses_all_to_all_inverse(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Inverse of :func:`ulysses_all_to_all`: (B, u·s, H/u, D) -> (B, s, H, D)."""
+    u = _group_size(group)
+    if u == 1:
+        return x
+    b, us, hu, d = x.shape
+    s = us // u
+    # (B, u·s, H/u, D) -> (u, B, s, H/u, D): token chunk j goes back to Ulysses rank j.
+    x = x.reshape(b, u, s, hu, d).permute(1, 0, 2, 3, 4)
+    x = _AllToAll.apply(x, group)
+    # (u, B, s, H/u, D), chunk j = head group j -> (B, s, H, D)
+    return x.permute(1, 2, 0, 3, 4).reshape(b, s, u * hu, d)
