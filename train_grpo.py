@@ -24,7 +24,11 @@ def main(argv: list[str] | None = None) -> int:
     if opts.dry_run:
         from miles.train.dry_run import dry_run
 
-        dry_run(cfg, world_size=opts.world_size)
+        try:
+            dry_run(cfg, world_size=opts.world_size)
+        except ConfigError as e:
+            print(f"dry run: {e}", file=sys.stderr)
+            return 2
         return 0
 
     from miles.train.trainer import Trainer

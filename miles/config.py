@@ -60,8 +60,14 @@ class ModelConfig:
     """dtype of the frozen text encoder."""
     vae_dtype: Literal["float32", "bfloat16"] = "float32"
     """dtype of the frozen VAE."""
-    activation_checkpointing: bool = False
-    """Recompute each transformer block in the backward pass (less memory, ~30% more compute)."""
+    activation_checkpointing: Literal["none", "selective", "attention", "full", "budget"] = "none"
+    """Per-block activation checkpointing: ``selective`` keeps matmul/attention outputs and recomputes
+    element-wise ops (a few % compute); ``attention`` keeps only attention outputs (recomputes the
+    linears too); ``full`` recomputes whole blocks (+1 forward); ``budget`` picks per block to fit
+    ``activation_memory_budget_gib``."""
+    activation_memory_budget_gib: float = 40.0
+    """With ``activation_checkpointing: budget``: the per-rank GPU memory for training (weights,
+    gradients and optimizer state are subtracted; activations get the rest)."""
     lora_rank: int = 0
     """LoRA rank; 0 trains all parameters of the transformer(s)."""
     lora_alpha: float = 64.0

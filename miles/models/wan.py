@@ -118,9 +118,10 @@ def load_wan(cfg: ModelConfig, device: torch.device) -> WanModel:
     path = resolve_model_path(cfg)
     check_wan_folder(path)
     # dtypes at load time: diffusers keeps its fp32-sensitive modules (norms, rope) in fp32.
+    # The transformers keep fp32 master weights; FSDP2 casts them to ``cfg.dtype`` for compute.
     dtypes = {
-        "transformer": DTYPES[cfg.dtype],
-        "transformer_2": DTYPES[cfg.dtype],
+        "transformer": torch.float32,
+        "transformer_2": torch.float32,
         "text_encoder": DTYPES[cfg.text_encoder_dtype],
         "vae": DTYPES[cfg.vae_dtype],
         "default": torch.float32,
@@ -139,3 +140,30 @@ def load_wan(cfg: ModelConfig, device: torch.device) -> WanModel:
         expand_timesteps=bool(getattr(pipe.config, "expand_timesteps", False)),
         pipeline=pipe,
     )
+
+
+def calibrate_block_memory(
+    transformer: nn.Module, tokens: int, device: torch.device, batch: int = 2, dtype=torch.bfloat16
+) -> dict[str, float]:
+    """Activation bytes one Wan block keeps for backward in each checkpointing mode, measured at
+    ``batch`` x ``tokens`` (training's CFG batch of 2 by default) on a bf16 copy of block 0."""
+    import copy
+
+    from miles.parallel.checkpointing import measure_block_memory
+
+    cfg = transformer.config
+    dim = cfg.num_attention_heads * cfg.attention_head_dim
+    block = copy.deepcopy(transformer.blocks[0]).to(device=device, dtype=dtype).train()
+
+    def make_inputs():
+        hidden = torch.randn(batch, tokens, dim, device=device, dtype=dtype, requires_grad=True)
+        context = torch.randn(batch, 512, dim, device=device, dtype=dtype)
+        temb = torch.randn(batch, 6, dim, device=device, dtype=torch.float32)
+        rope = torch.randn(1, tokens, 1, cfg.attention_head_dim, device=device, dtype=torch.float32)
+        return hidden, context, temb, (rope, rope)
+
+    try:
+        return measure_block_memory(block, make_inputs, device)
+    finally:
+        del block
+        torch.cuda.empty_cache()

@@ -1,6 +1,6 @@
 """FSDP2 wrapping of a Wan transformer over the flattened dp x sp mesh.
 
-Order (in place, after SP is installed): activation checkpointing → ``fully_shard`` per block →
+Order (in place, after SP is installed): activation checkpointing per block → ``fully_shard`` per block →
 ``fully_shard`` on the root. FSDP keeps its default gradient mean over all dp·sp ranks; with
 the SP gather's backward summing over sp, that mean is exactly (1/dp)·Σ_dp g (see
 docs/sequence_parallel.md). The same function wraps the model in the trainer and in the
@@ -9,12 +9,15 @@ grad-sync parity tests.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from contextlib import contextmanager
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from miles.parallel.checkpointing import apply_checkpointing
 
 
 def apply_fsdp(
@@ -24,12 +27,15 @@ def apply_fsdp(
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = torch.float32,
     reshard_after_forward: bool = True,
-    activation_checkpointing: bool = False,
+    checkpoint_modes: Sequence[str] | None = None,
 ) -> nn.Module:
-    """Shard ``model`` (a WanTransformer3DModel, possibly SP-installed) in place over ``mesh``."""
-    if activation_checkpointing:
-        # diffusers' own per-block checkpointing: recomputes each block in backward.
-        model.enable_gradient_checkpointing()
+    """Shard ``model`` (a WanTransformer3DModel, possibly SP-installed) in place over ``mesh``.
+
+    ``checkpoint_modes``: one activation-checkpointing mode per block (``none``, ``selective``,
+    ``attention``, ``full``; see :mod:`miles.parallel.checkpointing`), applied before sharding.
+    """
+    if checkpoint_modes is not None:
+        apply_checkpointing(model.blocks, checkpoint_modes)
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for block in model.blocks:
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)

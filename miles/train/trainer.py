@@ -29,9 +29,11 @@ from miles.config import Config
 from miles.data.prompts import TINY_PROMPTS, GroupSampler, load_prompts
 from miles.grpo.advantages import group_advantages
 from miles.grpo.losses import grpo_policy_loss
-from miles.models.wan import DTYPES, WanModel, load_wan
+from miles.models.wan import DTYPES, WanModel, calibrate_block_memory, load_wan
+from miles.parallel.checkpointing import checkpoint_modes, fixed_training_bytes
 from miles.parallel.fsdp import apply_fsdp, unsharded_for_rollout
 from miles.parallel.topology import ParallelDims, build_parallel_mesh, resolve_ulysses_degree
+from miles.parallel.topology_checks import check_ulysses_within_node, local_world_size_from_env
 from miles.rewards import build_rewards
 from miles.rollout.sampler import (
     Rollout,
@@ -100,6 +102,7 @@ class Trainer:
         )
         self.model: WanModel = load_wan(cfg.model, self.device)
         self.dims = self._parallel_dims()
+        check_ulysses_within_node(self.dims, local_world_size_from_env())
         self.attention_backend = cfg.parallel.fsdp_attention_backend or default_attention_backend(self.device)
         validate_sp_args(self.dims, self.attention_backend, model_backend=self.model)
         self.mesh = build_parallel_mesh(self.dims, self.device.type)
@@ -111,6 +114,8 @@ class Trainer:
             dp_size=self.mesh.dp_size,
             seed=cfg.run.seed,
         )
+        # fp32 master weights; FSDP2 casts to the compute dtype (None: compute in fp32).
+        self.compute_dtype = None if cfg.model.dtype == "float32" else DTYPES[cfg.model.dtype]
         self.num_tokens = self.model.num_tokens(cfg.rollout.num_frames, cfg.rollout.height, cfg.rollout.width)
         self._parallelize()
         params = [p for t in self.model.transformers for p in t.parameters() if p.requires_grad]
@@ -167,6 +172,43 @@ class Trainer:
             ulysses_degree=ulysses,
         )
 
+    def _checkpoint_modes(self, transformer: nn.Module) -> list[str]:
+        """Per-block activation checkpointing; ``budget`` calibrates one block on CUDA and fits the
+        activations into what the per-rank budget leaves after weights, gradients and optimizer."""
+        cfg = self.cfg.model
+        n = len(transformer.blocks)
+        if cfg.activation_checkpointing != "budget":
+            return checkpoint_modes(cfg.activation_checkpointing, n)
+        if self.device.type != "cuda":
+            return checkpoint_modes("selective", n)
+        block_bytes = calibrate_block_memory(
+            transformer,
+            -(-self.num_tokens // self.dims.sp),
+            self.device,
+            batch=2 * self.cfg.train.micro_batch_size,  # CFG doubles the batch
+            dtype=self.compute_dtype or torch.float32,
+        )
+        experts = self.model.transformers
+        num_params = sum(p.numel() for t in experts for p in t.parameters())
+        trainable = num_params if cfg.lora_rank == 0 else num_params // 100  # adapters: a rough upper bound
+        resident = 4 * num_params  # the unsharded fp32 experts, on the GPU until FSDP shards them
+        other = max(torch.cuda.memory_allocated(self.device) - resident, 0)
+        fixed = fixed_training_bytes(
+            num_params,
+            trainable,
+            self.world_size,
+            sum(p.numel() for p in transformer.blocks[0].parameters()),
+            other,
+        )
+        budget = cfg.activation_memory_budget_gib * 2**30
+        modes = checkpoint_modes("budget", n, budget - fixed, block_bytes)
+        print0(
+            f"[miles] activation checkpointing for a {cfg.activation_memory_budget_gib} GiB budget "
+            f"({fixed / 2**30:.1f} GiB fixed): "
+            + ", ".join(f"{m} x{modes.count(m)}" for m in dict.fromkeys(modes))
+        )
+        return modes
+
     def _install_sp(self, transformer: nn.Module) -> None:
         plan = self.model.sequence_parallel_plan(transformer) if self.dims.sp > 1 else None
         apply_sequence_parallel(transformer, self.mesh, plan=plan)
@@ -174,7 +216,6 @@ class Trainer:
     def _parallelize(self) -> None:
         """LoRA → attention backend → SP install → FSDP2 (per block, then root), per expert."""
         cfg = self.cfg
-        on_gpu = self.device.type == "cuda"
         # A full fine-tune with a KL term keeps a frozen copy of the initial weights, sharded alike.
         self.reference = None
         if cfg.grpo.kl_beta > 0 and cfg.model.lora_rank == 0:
@@ -201,17 +242,17 @@ class Trainer:
             apply_fsdp(
                 transformer,
                 self.mesh.fsdp_mesh,
-                param_dtype=DTYPES[cfg.model.dtype] if on_gpu else None,
+                param_dtype=self.compute_dtype,
                 reduce_dtype=torch.float32,
                 reshard_after_forward=cfg.parallel.reshard_after_forward,
-                activation_checkpointing=cfg.model.activation_checkpointing,
+                checkpoint_modes=self._checkpoint_modes(transformer),
             )
             self.model.transformers[i] = transformer
         for ref in self.reference or []:
             if self.attention_backend is not None:
                 ref.set_attention_backend(self.attention_backend)
             self._install_sp(ref)
-            apply_fsdp(ref, self.mesh.fsdp_mesh, param_dtype=DTYPES[cfg.model.dtype] if on_gpu else None)
+            apply_fsdp(ref, self.mesh.fsdp_mesh, param_dtype=self.compute_dtype)
 
     # ------------------------------------------------------------------------------------------
     # one iteration

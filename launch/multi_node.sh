@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# One node of a multi-node run: start it on every node (same arguments, its own NODE_RANK).
+#
+#   # on each of 2 nodes (node A is the rendezvous host):
+#   NNODES=2 NODE_RANK=0 MASTER_ADDR=nodeA MASTER_PORT=29500 NPROC_PER_NODE=8 \
+#       launch/multi_node.sh --config configs/wan2_2_a14b.yaml --sequence-parallel-size 16
+#
+# Environment:
+#   NNODES          number of nodes (required)
+#   NODE_RANK       this node's index, 0 .. NNODES-1 (required). The c10d rendezvous ignores
+#                   it (torchrun warns so) and gives each node a contiguous block of global
+#                   ranks in arrival order; RDZV_BACKEND=static makes it the node's position.
+#   MASTER_ADDR     host of the rendezvous, reachable from every node (required)
+#   MASTER_PORT     its TCP port (default 29500)
+#   NPROC_PER_NODE  processes (GPUs) per node (default: the GPUs nvidia-smi lists, else 1)
+#   RDZV_BACKEND    c10d (default: fault-tolerant join, any arrival order) or static
+#   RDZV_ID         rendezvous id shared by the nodes of one job (default: $SLURM_JOB_ID, else "miles")
+#   TORCHRUN        torchrun to use (default: .venv/bin/torchrun in the repository, else torchrun)
+#   TORCHRUN_ARGS   extra torchrun flags, word-split (e.g. "--max-restarts 0")
+#
+# The rest of the arguments go to train_grpo.py. Ranks are contiguous per node, so Ulysses
+# groups (contiguous ranks) stay inside a node when --ulysses-degree divides NPROC_PER_NODE
+# (checked at startup) and the ring crosses nodes.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+
+: "${NNODES:?set NNODES (number of nodes)}"
+: "${NODE_RANK:?set NODE_RANK (this node, 0 .. NNODES-1)}"
+: "${MASTER_ADDR:?set MASTER_ADDR (the rendezvous host, reachable from every node)}"
+MASTER_PORT="${MASTER_PORT:-29500}"
+RDZV_BACKEND="${RDZV_BACKEND:-c10d}"
+RDZV_ID="${RDZV_ID:-${SLURM_JOB_ID:-miles}}"
+if [[ -z "${NPROC_PER_NODE:-}" ]]; then
+    NPROC_PER_NODE="$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)"
+    [[ "${NPROC_PER_NODE:-0}" -ge 1 ]] || NPROC_PER_NODE=1
+fi
+if [[ -z "${TORCHRUN:-}" ]]; then
+    if [[ -x "$ROOT/.venv/bin/torchrun" ]]; then TORCHRUN="$ROOT/.venv/bin/torchrun"; else TORCHRUN=torchrun; fi
+fi
+export NPROC_PER_NODE  # read by the dry run
+
+# shellcheck disable=SC2086  # TORCHRUN_ARGS is meant to be word-split
+exec "$TORCHRUN" \
+    --nnodes "$NNODES" \
+    --node-rank "$NODE_RANK" \
+    --nproc-per-node "$NPROC_PER_NODE" \
+    --rdzv-backend "$RDZV_BACKEND" \
+    --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" \
+    --rdzv-id "$RDZV_ID" \
+    ${TORCHRUN_ARGS:-} \
+    "$ROOT/train_grpo.py" "$@"

@@ -1,0 +1,634 @@
+"""Dry run: the plan of a run — mesh, groups, SP plan, sequence, per-rank memory — without running it.
+
+    python train_grpo.py --config configs/tiny_cpu.yaml --dry-run --world-size 8 --sequence-parallel-size 4
+
+Single process, no GPU, no ``torch.distributed``, no weights: it reads the configs of the
+model folder (``model_index.json``, ``transformer[_2]/config.json``, ``vae/config.json``,
+``text_encoder/config.json``), builds the modules on the ``meta`` device (exact parameter
+counts, no memory) and applies the same checks the real run applies at startup: world size
+vs ``--sequence-parallel-size`` and ``--ulysses-degree`` vs the heads (``ParallelDims``),
+the attention backend vs the ring (``validate_sp_args``), the model's SP plan (from its
+diffusers ``_cp_plan``), tokens divisible by sp (``shard_sequence``), the SDE window, and —
+when the processes per node are known (``LOCAL_WORLD_SIZE`` / ``NPROC_PER_NODE``) — Ulysses
+groups inside a node. An invalid layout raises :class:`DryRunError` (a ``ConfigError``) with
+the fix; the entry point prints it and exits 2.
+
+World size: ``--world-size`` > ``$WORLD_SIZE`` > 1.
+
+Memory per rank (GiB; an ESTIMATE, not a measurement). With W = world size, b = bytes of
+``model.dtype``, N = parameters of all experts, N_t = trainable parameters (all of N, or the
+LoRA adapters), N_root / N_block = parameters outside the blocks / of the largest block:
+
+- params       N·b / W                      FSDP2 shards every expert over all dp×sp ranks
+- in flight    (N_root + 2·N_block)·b       gathered root + current and prefetched block
+                                            (reshard_after_forward off: the whole expert)
+- grads        N_t·b / W                    sharded like the params (freed between steps)
+- optimizer    2·N_t·b / W                  AdamW exp_avg + exp_avg_sq (``zeros_like(param)``:
+                                            the parameter dtype, fp32 only for fp32 params)
+- reference    N·b / W                      frozen initial weights (KL with a full fine-tune)
+- activations  L·B·T·a(mode)                by ``model.activation_checkpointing``, where a is the
+               bytes one block keeps per token for backward:
+                 none       a = (52 + 9·b)·D + 2·F·b
+                 selective  a = (9.3·D + F)·b     (+ one block's "none" while it recomputes)
+                 full       a = D·b               (the block input; + one block's "none")
+                 budget     per block, from those, as ``plan_modes`` would pick them
+  T = tokens per sp rank, D = hidden size, F = FFN size, L = layers, B = the micro batch
+  (``train.micro_batch_size``) × 2 with CFG (cond and uncond run as one batch). The
+  coefficients were measured once on a Wan block (diffusers 0.42, sp = 1) by summing the
+  storages autograd saves (saved_tensors_hooks) and, for selective, the outputs of the ops
+  ``miles.parallel.checkpointing.SAVE_OPS`` keeps: at 1.3B shapes a bf16 block keeps 70·D +
+  4·F bytes a token (the norms, modulation and RoPE make ~13 fp32 temporaries of width D),
+  an fp32 block 87·D + 8·F. Ulysses/ring add a few D·b more per token; the calibration on
+  CUDA that ``budget`` runs (``measure_block_memory``) is the measurement to trust.
+- rollout copy N·b                          ``parallel.rollout_unsharded``: every expert gathered
+                                            for the whole rollout (replaces "in flight")
+- rollout act. B·T·(16·D + 2·F)·b           one block's no-grad working set (rough)
+- buffers      stored rollout latents (2·samples·K·latent·4 bytes) + prompt embeddings
+- frozen       text encoder and VAE, replicated on every rank, in their configured dtypes
+
+train peak = params + in flight + grads + optimizer + reference + activations + buffers + frozen;
+rollout peak = params + (rollout copy or in flight) + optimizer + reference + rollout act. +
+buffers + frozen. Not counted: the VAE decode and reward models' workspaces, attention kernel
+workspaces, communication buffers, allocator fragmentation — keep 10-20 % headroom.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from torch import nn
+
+from miles.config import Config, ConfigError
+from miles.models.wan import _WAN_PIPELINES, DTYPES, WanModel, check_wan_folder, resolve_model_path
+from miles.parallel.topology import ParallelDims, valid_ulysses_degrees
+from miles.parallel.topology_checks import check_ulysses_within_node, local_world_size_from_env
+
+__all__ = ["DryRunError", "dry_run", "format_report"]
+
+GIB = 2**30
+_SHOW_GROUPS = 4  # groups printed per kind before "... (N groups)"
+_SHOW_RANKS = 8  # ranks printed per group before eliding
+
+
+class DryRunError(ConfigError):
+    """The run as configured would be refused at startup; the message names the fix."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading the model folder (configs only)
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def _diffusers_class(index: dict, component: str, default: str) -> type:
+    import diffusers
+
+    entry = index.get(component) or [None, None]
+    name = entry[1] if isinstance(entry, list) and len(entry) == 2 and entry[1] else default
+    cls = getattr(diffusers, name, None)
+    if cls is None:
+        raise DryRunError(f"model_index.json names {component} class {name!r}, which diffusers does not have")
+    return cls
+
+
+def _meta_from_config(cls: type, folder: Path) -> nn.Module:
+    """``cls`` built from ``folder/config.json`` on the meta device: exact shapes, no memory."""
+    config = cls.load_config(folder)
+    with torch.device("meta"):
+        return cls.from_config(config)
+
+
+def _meta_text_encoder(index: dict, folder: Path) -> nn.Module | None:
+    entry = index.get("text_encoder") or [None, None]
+    if not (folder / "config.json").is_file() or not isinstance(entry, list) or entry[0] != "transformers":
+        return None
+    import transformers
+
+    cls = getattr(transformers, entry[1], None)
+    if cls is None:
+        return None
+    config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
+    with torch.device("meta"):
+        return cls(config)
+
+
+def _load_meta_model(cfg: Config) -> tuple[WanModel, dict, list[str]]:
+    """A :class:`WanModel` whose transformers and VAE live on the meta device, plus extras and warnings."""
+    path = resolve_model_path(cfg.model)
+    index_file = path / "model_index.json"
+    if not path.is_dir():
+        raise DryRunError(f"model.path {path} is not a folder; point it at a local diffusers Wan folder")
+    if not index_file.is_file():
+        raise DryRunError(
+            f"model.path {path} has no model_index.json: it is not a diffusers folder. Point model.path at a "
+            "diffusers Wan folder (e.g. Wan-AI/Wan2.1-T2V-1.3B-Diffusers)"
+        )
+    index = _read_json(index_file)
+    if index.get("_class_name") not in _WAN_PIPELINES:
+        raise DryRunError(
+            f"model.path {path} holds a {index.get('_class_name')}, not a Wan pipeline ({sorted(_WAN_PIPELINES)})"
+        )
+    warnings = []
+    try:
+        check_wan_folder(path)
+    except ValueError as e:  # the dry run needs only configs; the real run needs every component
+        warnings.append(f"the real run will refuse this folder: {e}")
+    experts = []
+    for sub in ("transformer", "transformer_2"):
+        folder = path / sub
+        if sub == "transformer_2" and not (index.get(sub) or [None])[0]:
+            continue
+        if not (folder / "config.json").is_file():
+            raise DryRunError(
+                f"model.path {path} lacks {sub}/config.json (the dry run reads the transformer config)"
+            )
+        experts.append(_meta_from_config(_diffusers_class(index, sub, "WanTransformer3DModel"), folder))
+    if not (path / "vae" / "config.json").is_file():
+        raise DryRunError(
+            f"model.path {path} lacks vae/config.json (its scale factors give the latent shape)"
+        )
+    vae = _meta_from_config(_diffusers_class(index, "vae", "AutoencoderKLWan"), path / "vae")
+    try:
+        text_encoder = _meta_text_encoder(index, path / "text_encoder")
+    except Exception as e:  # optional: only its parameter count is reported
+        warnings.append(f"text encoder config unreadable ({e}); not counted")
+        text_encoder = None
+    model = WanModel(
+        path=path,
+        transformers=experts,
+        boundary_ratio=index.get("boundary_ratio") if len(experts) == 2 else None,
+        expand_timesteps=bool(index.get("expand_timesteps", False)),
+        pipeline=SimpleNamespace(vae=vae, text_encoder=text_encoder),
+    )
+    return model, index, warnings
+
+
+# ---------------------------------------------------------------------------------------------
+# Counting
+
+
+def _numel(module: nn.Module | None) -> int:
+    return 0 if module is None else sum(p.numel() for p in module.parameters())
+
+
+def _lora_numel(model: nn.Module, rank: int, targets: list[str]) -> int:
+    """Adapter parameters peft adds: r·(in + out) per targeted Linear (peft's name-suffix matching)."""
+    total = 0
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and any(name == t or name.endswith("." + t) for t in targets):
+            total += rank * (module.in_features + module.out_features)
+    return total
+
+
+def _sp_plan_rows(transformer: nn.Module) -> list[dict]:
+    from miles.sequence_parallel import GatherOutput, ShardInput, ShardOutput, sequence_parallel_plan
+
+    plan = sequence_parallel_plan(transformer)
+    rows = []
+    for module, specs in plan.boundaries.items():
+        for spec in specs:
+            if isinstance(spec, ShardInput):
+                kind, what = "split", f"input {spec.name!r}"
+            elif isinstance(spec, ShardOutput):
+                kind, what = "split", f"output {spec.index}"
+            else:
+                assert isinstance(spec, GatherOutput)
+                kind, what = "gather", f"output {spec.index}"
+            rows.append(
+                {
+                    "module": module,
+                    "what": what,
+                    "kind": kind,
+                    "dim": spec.dim,
+                    "expected_dims": spec.expected_dims,
+                }
+            )
+    return rows
+
+
+def _block_bytes_per_token(D: int, F: int, b: int) -> dict[str, float]:
+    """Bytes one Wan block keeps for backward per token, per checkpointing mode (see the module docstring)."""
+    return {
+        "none": (52 + 9 * b) * D + 2 * F * b,
+        "selective": (9.3 * D + F) * b,
+        "attention": 3 * D * b,  # self/cross attention outputs and the block input
+        "full": D * b,
+    }
+
+
+def _activation_bytes(cfg: Config, *, L: int, tokens: int, D: int, F: int, b: int) -> tuple[float, str]:
+    """Training activations of one expert's forward over ``tokens`` (micro batch x CFG x T), and a note."""
+    mode = cfg.model.activation_checkpointing
+    if isinstance(mode, bool):  # older configs: a switch for full checkpointing
+        mode = "full" if mode else "none"
+    per_block = {k: v * tokens for k, v in _block_bytes_per_token(D, F, b).items()}
+    if mode == "budget":
+        from miles.parallel.checkpointing import plan_modes
+
+        budget = cfg.model.activation_memory_budget_gib
+        try:
+            modes = plan_modes(L, per_block, budget * GIB)
+        except ValueError as e:
+            raise DryRunError(f"activation budget (estimated): {e}") from None
+        counts = {m: modes.count(m) for m in ("none", "selective", "attention", "full") if modes.count(m)}
+        note = f"budget {budget:g} GiB -> " + ", ".join(f"{n} {m}" for m, n in counts.items())
+    else:
+        modes, note = [mode] * L, mode
+    total = sum(per_block[m] for m in modes)
+    if any(m != "none" for m in modes):
+        total += per_block["none"]  # one block's activations while it is recomputed
+    return total, note
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name, "").strip()
+    return int(value) if value.isdigit() and int(value) > 0 else None
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def dry_run(
+    cfg: Config,
+    world_size: int | None = None,
+    *,
+    local_world_size: int | None = None,
+    device_type: str = "cuda",
+    verbose: bool = True,
+) -> dict[str, Any]:
+    """Plan the run of ``cfg`` on ``world_size`` ranks and print it; returns the plan as a dict.
+
+    ``world_size``: ``--world-size``, else ``$WORLD_SIZE``, else 1. ``local_world_size``
+    (processes per node): else ``$LOCAL_WORLD_SIZE`` / ``$NPROC_PER_NODE``, else unknown.
+    ``device_type`` picks the default attention backend and ring kernel (the memory numbers
+    are per GPU). Raises :class:`DryRunError` where the real run would refuse to start.
+    """
+    from miles.rollout.sampler import sde_step_indices
+    from miles.sequence_parallel import validate_sp_args
+    from miles.sequence_parallel.ring import select_ring_kernel
+    from miles.train.trainer import default_attention_backend
+
+    world_source = "--world-size"
+    if world_size is None:
+        world_size, world_source = _env_int("WORLD_SIZE"), "$WORLD_SIZE"
+        if world_size is None:
+            world_size, world_source = 1, "default"
+    local_source = "argument"
+    if local_world_size is None:
+        local_world_size, local_source = local_world_size_from_env(), "environment"
+    p, r = cfg.parallel, cfg.rollout
+
+    model, index, warnings = _load_meta_model(cfg)
+    first = model.transformers[0]
+    tcfg = first.config
+    heads = model.num_attention_heads
+
+    # --- mesh: the checks ParallelDims and the trainer apply
+    try:
+        dims = ParallelDims(
+            world_size=world_size,
+            sequence_parallel_size=p.sequence_parallel_size,
+            ulysses_degree=p.ulysses_degree,
+            num_attention_heads=heads,
+        )
+    except ValueError as e:
+        raise DryRunError(f"invalid parallel layout (world size {world_size}, {world_source}): {e}") from None
+    valid_u = valid_ulysses_degrees(dims.sp, heads)
+    if p.ulysses_degree == 0:
+        ulysses_note = f"auto: the largest of {valid_u} (divisors of sp {dims.sp} that divide {heads} heads)"
+    else:
+        ulysses_note = f"{dims.ulysses} set by --ulysses-degree"
+    try:
+        check_ulysses_within_node(dims, local_world_size)
+    except ValueError as e:
+        raise DryRunError(f"invalid parallel layout: {e}") from None
+    if local_world_size is None:
+        node_note = (
+            "processes per node unknown (set LOCAL_WORLD_SIZE or NPROC_PER_NODE): Ulysses groups stay inside "
+            f"a node when the processes per node are a multiple of ulysses {dims.ulysses}"
+        )
+    else:
+        num_nodes = math.ceil(world_size / local_world_size)
+        ring_crosses = any(len({rank // local_world_size for rank in g}) > 1 for g in dims.ring_groups())
+        node_note = (
+            f"{local_world_size} processes per node ({local_source}), {num_nodes} node(s): Ulysses groups stay "
+            f"inside a node; ring groups {'cross nodes' if ring_crosses else 'stay inside a node'}"
+        )
+
+    # --- SP plan, attention backend, ring kernel
+    backend = p.fsdp_attention_backend or default_attention_backend(torch.device(device_type))
+    backend_note = "--fsdp-attention-backend" if p.fsdp_attention_backend else f"default on {device_type}"
+    try:
+        validate_sp_args(dims, backend, model_backend=model)
+    except ValueError as e:
+        raise DryRunError(f"invalid sequence-parallel setup: {e}") from None
+    plan_rows: list[dict] = []
+    plan_error = None
+    for i, transformer in enumerate(model.transformers):
+        try:
+            rows = _sp_plan_rows(transformer)
+        except (ValueError, TypeError) as e:
+            if dims.sp > 1:
+                raise DryRunError(f"expert {i} has no usable sequence-parallel plan: {e}") from None
+            plan_error, rows = str(e), []
+        if i == 0:
+            plan_rows = rows
+    ring_kernel = None
+    if dims.ring > 1:
+        ring_kernel = {
+            device_type: select_ring_kernel(backend, torch.device(device_type)).name,
+            "cpu": select_ring_kernel(backend, torch.device("cpu")).name,
+        }
+
+    # --- sequence
+    latent_shape = model.latent_shape(r.num_frames, r.height, r.width)
+    tokens = model.num_tokens(r.num_frames, r.height, r.width)
+    if dims.sp > 1 and tokens % dims.sp:
+        divisors = [d for d in range(2, min(tokens, 64) + 1) if tokens % d == 0]
+        raise DryRunError(
+            f"{tokens} tokens per sample ({r.num_frames} frames {r.height}x{r.width}) are not divisible by "
+            f"--sequence-parallel-size {dims.sp}; padding is not implemented, so the run would fail at the "
+            f"first shard. Change the video size or choose sp among {divisors[:12]}."
+        )
+    try:
+        num_sde_steps = len(
+            sde_step_indices(
+                r.num_steps,
+                sde_window_size=r.sde_window_size or None,
+                sde_window_start_range=tuple(r.sde_window_range) if r.sde_window_size else None,
+                timestep_fraction=r.timestep_fraction,
+                generator=torch.Generator().manual_seed(0),
+            )
+        )
+    except ValueError as e:
+        raise DryRunError(f"invalid rollout schedule: {e}") from None
+    samples = cfg.data.prompts_per_rank * cfg.data.group_size
+    micro = cfg.train.micro_batch_size  # samples per forward, in rollout and training alike
+    scales = [r.guidance_scale, r.guidance_scale if r.guidance_scale_2 is None else r.guidance_scale_2]
+    cfg_factor = 2 if any(s > 1.0 for s in scales[: len(model.transformers)]) else 1
+    if (tcfg.get("added_kv_proj_dim") or tcfg.get("image_dim")) and cfg.data.max_sequence_length != 512:
+        warnings.append(
+            f"this is an I2V transformer: Wan splits its context at 512 text tokens, but "
+            f"data.max_sequence_length is {cfg.data.max_sequence_length}"
+        )
+
+    # --- parameters (exact, from the meta modules)
+    per_expert = [_numel(t) for t in model.transformers]
+    blocks = [max(_numel(b) for b in t.blocks) for t in model.transformers]
+    roots = [_numel(t) - sum(_numel(b) for b in t.blocks) for t in model.transformers]
+    lora = 0
+    if cfg.model.lora_rank > 0:
+        lora_per = [
+            _lora_numel(t, cfg.model.lora_rank, cfg.model.lora_target_modules) for t in model.transformers
+        ]
+        if not all(lora_per):
+            raise DryRunError(
+                f"model.lora_target_modules {cfg.model.lora_target_modules} match no Linear layer"
+            )
+        lora = sum(lora_per)
+    total = sum(per_expert) + lora  # adapters are sharded with the rest
+    trainable = lora if cfg.model.lora_rank > 0 else total
+    text_encoder_params = _numel(model.pipeline.text_encoder)
+    vae_params = _numel(model.pipeline.vae)
+
+    # --- memory per rank (see the module docstring for the formulas)
+    b = DTYPES[cfg.model.dtype].itemsize
+    W = world_size
+    T = tokens // dims.sp
+    D = tcfg.num_attention_heads * tcfg.attention_head_dim
+    F = tcfg.ffn_dim
+    L = tcfg.num_layers
+    B = micro * cfg_factor
+    if p.reshard_after_forward:
+        in_flight = (max(roots) + 2 * max(blocks)) * b
+    else:
+        in_flight = max(per_expert) * b
+    activations, ac_note = _activation_bytes(cfg, L=L, tokens=B * T, D=D, F=F, b=b)
+    latent_numel = math.prod(latent_shape)
+    buffers = 2 * samples * num_sde_steps * latent_numel * 4 + 2 * samples * cfg.data.max_sequence_length * (
+        tcfg.text_dim * b
+    )
+    frozen = (
+        text_encoder_params * DTYPES[cfg.model.text_encoder_dtype].itemsize
+        + vae_params * DTYPES[cfg.model.vae_dtype].itemsize
+    )
+    mem = {
+        "params": total * b / W,
+        "gathered_in_flight": in_flight,
+        "grads": trainable * b / W,
+        "optimizer": 2 * trainable * b / W,
+        "reference": total * b / W if cfg.grpo.kl_beta > 0 and cfg.model.lora_rank == 0 else 0.0,
+        "activations": activations,
+        "rollout_unsharded": total * b if p.rollout_unsharded else 0.0,
+        "rollout_activations": B * T * (16 * D + 2 * F) * b,
+        "buffers": buffers,
+        "frozen": frozen,
+    }
+    common = mem["params"] + mem["optimizer"] + mem["reference"] + mem["buffers"] + mem["frozen"]
+    mem["train_peak"] = common + in_flight + mem["grads"] + activations
+    mem["rollout_peak"] = (
+        common + (mem["rollout_unsharded"] if p.rollout_unsharded else in_flight) + mem["rollout_activations"]
+    )
+    mem = {k: v / GIB for k, v in mem.items()}
+
+    report = {
+        "world_size": world_size,
+        "world_size_source": world_source,
+        "local_world_size": local_world_size,
+        "model": {
+            "path": str(model.path),
+            "pipeline": index.get("_class_name"),
+            "transformer_class": type(first).__name__,
+            "num_experts": len(model.transformers),
+            "boundary_ratio": model.boundary_ratio,
+            "expand_timesteps": model.expand_timesteps,
+            "num_attention_heads": heads,
+            "attention_head_dim": tcfg.attention_head_dim,
+            "hidden_size": D,
+            "ffn_dim": F,
+            "num_layers": L,
+            "text_dim": tcfg.text_dim,
+            "patch_size": list(tcfg.patch_size),
+        },
+        "mesh": {
+            "dp": dims.dp,
+            "sp": dims.sp,
+            "ulysses": dims.ulysses,
+            "ring": dims.ring,
+            "ulysses_auto": p.ulysses_degree == 0,
+            "ulysses_note": ulysses_note,
+            "node_note": node_note,
+            "groups": {
+                "dp": dims.dp_groups(),
+                "sp": dims.sp_groups(),
+                "ulysses": dims.ulysses_groups(),
+                "ring": dims.ring_groups(),
+            },
+        },
+        "sp_plan": {
+            "enabled": dims.sp > 1,
+            "source": f"{type(first).__name__}._cp_plan",
+            "boundaries": plan_rows,
+            "error": plan_error,
+            "attention_backend": backend,
+            "attention_backend_note": backend_note,
+            "ring_kernel": ring_kernel,
+        },
+        "sequence": {
+            "num_frames": r.num_frames,
+            "height": r.height,
+            "width": r.width,
+            "latent_shape": list(latent_shape),
+            "tokens_per_sample": tokens,
+            "tokens_per_sp_rank": T,
+            "tokens_per_rank_in_attention": tokens // dims.ring,
+            "text_tokens": cfg.data.max_sequence_length,
+            "samples_per_rank": samples,
+            "micro_batch": micro,
+            "cfg_factor": cfg_factor,
+            "num_sde_steps": num_sde_steps,
+        },
+        "activation_checkpointing": ac_note,
+        "params": {
+            "per_expert": per_expert,
+            "transformer": sum(per_expert),
+            "lora_adapters": lora,
+            "trainable": trainable,
+            "largest_block": max(blocks),
+            "outside_blocks": max(roots),
+            "text_encoder": text_encoder_params,
+            "vae": vae_params,
+            "dtype": cfg.model.dtype,
+        },
+        "memory_gib": mem,
+        "warnings": warnings,
+    }
+    if verbose:
+        print(format_report(report), flush=True)
+    return report
+
+
+# ---------------------------------------------------------------------------------------------
+# Printing
+
+
+def _fmt_group(group: list[int]) -> str:
+    if len(group) <= _SHOW_RANKS:
+        return "[" + ", ".join(map(str, group)) + "]"
+    head = ", ".join(map(str, group[:3]))
+    return f"[{head}, ..., {group[-1]}] ({len(group)} ranks)"
+
+
+def _fmt_groups(groups: list[list[int]]) -> str:
+    shown = " ".join(_fmt_group(g) for g in groups[:_SHOW_GROUPS])
+    more = f" ... ({len(groups)} groups)" if len(groups) > _SHOW_GROUPS else ""
+    return shown + more
+
+
+def _n(x: int) -> str:
+    return f"{x:,}"
+
+
+def _human(x: int) -> str:
+    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if x >= scale:
+            return f"{x / scale:.3f} {suffix}"
+    return str(x)
+
+
+def format_report(rep: dict[str, Any]) -> str:
+    """The readable form of a :func:`dry_run` report."""
+    m, mesh, plan, seq, par, mem = (
+        rep["model"],
+        rep["mesh"],
+        rep["sp_plan"],
+        rep["sequence"],
+        rep["params"],
+        rep["memory_gib"],
+    )
+    experts = f"{m['num_experts']} x {m['transformer_class']}"
+    if m["num_experts"] == 2:
+        experts += f", boundary_ratio {m['boundary_ratio']}"
+    lines = [
+        "miles dry run: no GPU, no torch.distributed, no weights loaded",
+        f"model     {m['path']} ({m['pipeline']}: {experts})",
+        f"          {m['num_attention_heads']} heads x {m['attention_head_dim']} = hidden {m['hidden_size']}, "
+        f"{m['num_layers']} layers, ffn {m['ffn_dim']}, text_dim {m['text_dim']}, patch {tuple(m['patch_size'])}"
+        + (", per-token timesteps" if m["expand_timesteps"] else ""),
+        f"world     {rep['world_size']} ranks ({rep['world_size_source']})",
+        f"mesh      dp {mesh['dp']} x sp {mesh['sp']} (ulysses {mesh['ulysses']} x ring {mesh['ring']}); "
+        f"ulysses {mesh['ulysses_note']}",
+    ]
+    for kind in ("dp", "sp", "ulysses", "ring"):
+        lines.append(f"  {kind + ' groups':<15} {_fmt_groups(mesh['groups'][kind])}")
+    lines.append(f"  {'fsdp':<15} all {rep['world_size']} ranks (parameters sharded over dp x sp)")
+    lines.append(f"  {'nodes':<15} {mesh['node_note']}")
+
+    state = "installed" if plan["enabled"] else "not installed (sp = 1)"
+    lines.append(f"sp plan   from {plan['source']}; {state}")
+    # In forward order: the root's inputs first, the gather last.
+    rows = sorted(plan["boundaries"], key=lambda row: (row["module"] != "", row["kind"] == "gather"))
+    for row in rows:
+        only = f" (only when {row['expected_dims']}-D: per-token timesteps)" if row["module"] == "" else ""
+        lines.append(
+            f"  {row['module'] or '(root)':<10} {row['what']:<22} {row['kind']} dim {row['dim']}{only}"
+        )
+    if plan["error"]:
+        lines.append(f"  (no plan: {plan['error']})")
+    lines.append(
+        "  self-attention: USP (Ulysses all-to-all x ring) via dispatch_attention_fn; cross-attention: stock"
+    )
+    kernel = "none (ring = 1)"
+    if plan["ring_kernel"]:
+        kernel = ", ".join(f"{v} on {k}" for k, v in plan["ring_kernel"].items())
+    lines.append(
+        f"  attention backend {plan['attention_backend'] or 'diffusers default'} "
+        f"({plan['attention_backend_note']}); ring kernel {kernel}"
+    )
+
+    cfg_note = " x CFG 2" if seq["cfg_factor"] == 2 else ""
+    lines += [
+        f"sequence  {seq['num_frames']} frames {seq['height']}x{seq['width']} -> latent "
+        f"{tuple(seq['latent_shape'])} -> {_n(seq['tokens_per_sample'])} tokens/sample",
+        f"          {_n(seq['tokens_per_sp_rank'])} tokens per sp rank (S/sp = {_n(seq['tokens_per_sample'])}/"
+        f"{mesh['sp']}); {_n(seq['tokens_per_rank_in_attention'])} in attention after the all-to-all (S/ring)",
+        f"          {seq['text_tokens']} text tokens; {seq['samples_per_rank']} samples per dp rank, micro batch "
+        f"{seq['micro_batch']}{cfg_note} per forward; {seq['num_sde_steps']} SDE steps trained",
+    ]
+    per = " + ".join(_n(x) for x in par["per_expert"]) + " = " if len(par["per_expert"]) > 1 else ""
+    trainable = "all" if not par["lora_adapters"] else f"LoRA adapters {_n(par['lora_adapters'])}"
+    lines += [
+        f"params    transformer {per}{_n(par['transformer'])} ({_human(par['transformer'])}; exact, "
+        f"meta device); trainable: {trainable} ({_n(par['trainable'])})",
+        f"          largest block {_n(par['largest_block'])}, outside blocks {_n(par['outside_blocks'])}; "
+        f"frozen: text encoder {_n(par['text_encoder']) if par['text_encoder'] else 'n/a'}, "
+        f"VAE {_n(par['vae'])}",
+        f"memory    per rank, GiB (an estimate; {par['dtype']} parameters; formulas in miles/train/dry_run.py)",
+    ]
+    labels = [
+        ("params", f"params (sharded / {rep['world_size']})"),
+        ("gathered_in_flight", "gathered blocks in flight"),
+        ("grads", "gradients"),
+        ("optimizer", "AdamW state"),
+        ("reference", "KL reference copy"),
+        ("activations", f"activations (train, {rep['activation_checkpointing']})"),
+        ("rollout_unsharded", "rollout unsharded copy"),
+        ("rollout_activations", "activations (rollout)"),
+        ("buffers", "rollout buffers"),
+        ("frozen", "text encoder + VAE"),
+    ]
+    for key, label in labels:
+        lines.append(f"  {label:<40} {mem[key]:10.3f}")
+    lines.append(f"  {'= train peak':<40} {mem['train_peak']:10.3f}")
+    lines.append(f"  {'= rollout peak':<40} {mem['rollout_peak']:10.3f}")
+    for w in rep["warnings"]:
+        lines.append(f"warning   {w}")
+    return "\n".join(lines)

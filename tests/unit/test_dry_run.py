@@ -1,0 +1,312 @@
+"""The dry run: groups from the topology's pure functions, tokens, exact parameter counts, refusals.
+
+The tiny recipe runs through ``train_grpo.py --dry-run`` in a subprocess (the user's command)
+and in process; a Wan2.1-T2V-1.3B folder made of configs only (no weights) checks real shapes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from miles.config import ConfigError, parse_args
+from miles.parallel.topology import ParallelDims
+from miles.parallel.topology_checks import check_ulysses_within_node
+from miles.train.dry_run import DryRunError, dry_run
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ["--config", "configs/tiny_cpu.yaml"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+for _name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "NPROC_PER_NODE"):
+    ENV.pop(_name, None)
+
+# Wan-AI/Wan2.1-T2V-1.3B-Diffusers, transformer/config.json
+WAN21_1_3B = {
+    "_class_name": "WanTransformer3DModel",
+    "added_kv_proj_dim": None,
+    "attention_head_dim": 128,
+    "cross_attn_norm": True,
+    "eps": 1e-06,
+    "ffn_dim": 8960,
+    "freq_dim": 256,
+    "image_dim": None,
+    "in_channels": 16,
+    "num_attention_heads": 12,
+    "num_layers": 30,
+    "out_channels": 16,
+    "patch_size": [1, 2, 2],
+    "qk_norm": "rms_norm_across_heads",
+    "rope_max_seq_len": 1024,
+    "text_dim": 4096,
+}
+WAN21_VAE = {  # no scale_factor_* keys, like the published file: diffusers' defaults (4, 8) apply
+    "_class_name": "AutoencoderKLWan",
+    "attn_scales": [],
+    "base_dim": 96,
+    "dim_mult": [1, 2, 4, 4],
+    "dropout": 0.0,
+    "num_res_blocks": 2,
+    "temperal_downsample": [False, True, True],
+    "z_dim": 16,
+}
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    monkeypatch.chdir(ROOT)  # the tiny recipe's model dir is relative to the repository
+    for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "NPROC_PER_NODE"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def _plan(argv: list[str], **kwargs) -> dict:
+    cfg, opts = parse_args(argv)
+    return dry_run(cfg, world_size=opts.world_size, verbose=False, **kwargs)
+
+
+def _run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "train_grpo.py", *args],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_cli_prints_groups_tokens_and_exact_param_count():
+    from diffusers import WanTransformer3DModel
+
+    proc = _run_cli(*TINY, "--dry-run", "--world-size", "8", "--sequence-parallel-size", "4")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    dims = ParallelDims(world_size=8, sequence_parallel_size=4, ulysses_degree=0, num_attention_heads=4)
+    assert (dims.dp, dims.ulysses, dims.ring) == (2, 4, 1)
+    assert "dp 2 x sp 4 (ulysses 4 x ring 1); ulysses auto" in out
+    for kind, groups in [
+        ("dp", dims.dp_groups()),
+        ("sp", dims.sp_groups()),
+        ("ulysses", dims.ulysses_groups()),
+        ("ring", dims.ring_groups()),
+    ]:
+        shown = " ".join(str(g) for g in groups[:4]) + (
+            f" ... ({len(groups)} groups)" if len(groups) > 4 else ""
+        )
+        assert f"{kind + ' groups':<15} {shown}\n" in out, kind
+    # 5 frames 64x64 -> latent (16, 2, 8, 8) -> (2/1)(8/2)(8/2) = 32 tokens, 8 per sp rank
+    assert "latent (16, 2, 8, 8) -> 32 tokens/sample" in out
+    assert "8 tokens per sp rank (S/sp = 32/4)" in out
+    assert "blocks.0   input 'hidden_states'  split dim 1" in out
+    assert "proj_out   output 0               gather dim 1" in out
+
+    folder = ROOT / ".cache/tiny-wan/two_expert"
+    real = sum(
+        p.numel()
+        for sub in ("transformer", "transformer_2")
+        for p in WanTransformer3DModel.from_pretrained(folder / sub).parameters()
+    )
+    assert f"= {real:,} (" in out
+
+
+def test_in_process_report_matches_the_topology_and_the_real_model():
+    from diffusers import WanTransformer3DModel
+
+    rep = _plan([*TINY, "--world-size", "8", "--sequence-parallel-size", "4", "--ulysses-degree", "2"])
+    dims = ParallelDims(world_size=8, sequence_parallel_size=4, ulysses_degree=2)
+    mesh = rep["mesh"]
+    assert (mesh["dp"], mesh["sp"], mesh["ulysses"], mesh["ring"]) == (2, 4, 2, 2)
+    assert not mesh["ulysses_auto"]
+    assert mesh["groups"] == {
+        "dp": dims.dp_groups(),
+        "sp": dims.sp_groups(),
+        "ulysses": dims.ulysses_groups(),
+        "ring": dims.ring_groups(),
+    }
+    seq = rep["sequence"]
+    assert seq["latent_shape"] == [16, 2, 8, 8]
+    assert (seq["tokens_per_sample"], seq["tokens_per_sp_rank"], seq["tokens_per_rank_in_attention"]) == (
+        32,
+        8,
+        16,
+    )
+    assert seq["text_tokens"] == 64
+    assert rep["sp_plan"]["ring_kernel"] == {"cuda": "_native_cudnn", "cpu": "cpu_flash"}
+    folder = ROOT / ".cache/tiny-wan/two_expert"
+    real = [
+        sum(p.numel() for p in WanTransformer3DModel.from_pretrained(folder / sub).parameters())
+        for sub in ("transformer", "transformer_2")
+    ]
+    assert rep["params"]["per_expert"] == real
+    assert rep["params"]["trainable"] == sum(real)
+    mem = rep["memory_gib"]
+    assert mem["params"] == pytest.approx(sum(real) * 4 / 8 / 2**30)  # fp32, sharded over 8
+    assert mem["optimizer"] == pytest.approx(2 * mem["params"])
+
+
+def test_lora_count_matches_peft():
+    from diffusers import WanTransformer3DModel
+    from peft import LoraConfig
+
+    rep = _plan([*TINY, "--world-size", "2", "--model.lora-rank", "4"])
+    model = WanTransformer3DModel.from_pretrained(ROOT / ".cache/tiny-wan/two_expert/transformer")
+    model.requires_grad_(False)
+    cfg, _ = parse_args([*TINY, "--model.lora-rank", "4"])
+    model.add_adapter(LoraConfig(r=4, lora_alpha=64.0, target_modules=cfg.model.lora_target_modules))
+    per_expert = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert rep["params"]["lora_adapters"] == 2 * per_expert  # two experts, same shapes
+    assert rep["params"]["trainable"] == 2 * per_expert
+
+
+def test_bad_layout_fails_with_a_clear_message():
+    proc = _run_cli(*TINY, "--dry-run", "--world-size", "6", "--sequence-parallel-size", "4")
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    assert "world size 6 is not divisible by --sequence-parallel-size 4" in proc.stderr
+    assert "divisors of the world size [1, 2, 3, 6]" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "argv,env,match",
+    [
+        (
+            ["--world-size", "8", "--sequence-parallel-size", "4", "--ulysses-degree", "3"],
+            {},
+            "not divisible by",
+        ),
+        (
+            ["--world-size", "8", "--sequence-parallel-size", "8", "--ulysses-degree", "8"],
+            {},
+            "must divide both",
+        ),
+        (
+            ["--world-size", "8", "--sequence-parallel-size", "4", "--ulysses-degree", "2"]
+            + ["--fsdp-attention-backend", "flex"],
+            {},
+            "has no ring-attention kernel",
+        ),
+        (["--world-size", "8", "--sequence-parallel-size", "4"], {"LOCAL_WORLD_SIZE": "2"}, "span two nodes"),
+        (["--world-size", "12", "--sequence-parallel-size", "3", "--ulysses-degree", "1"], {}, "32 tokens"),
+    ],
+)
+def test_refusals_name_the_fix(monkeypatch, argv, env, match):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    try:
+        _plan([*TINY, *argv])
+    except (DryRunError, ConfigError) as e:
+        assert re.search(match, str(e)), str(e)
+    else:
+        raise AssertionError(f"{argv} should have been refused")
+
+
+def test_world_size_from_env_and_node_note(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    rep = _plan([*TINY, "--sequence-parallel-size", "4", "--ulysses-degree", "2"])
+    assert (rep["world_size"], rep["world_size_source"], rep["local_world_size"]) == (4, "$WORLD_SIZE", 2)
+    assert "Ulysses groups stay inside a node; ring groups cross nodes" in rep["mesh"]["node_note"]
+
+
+def test_check_ulysses_within_node():
+    dims = ParallelDims(world_size=16, sequence_parallel_size=16, ulysses_degree=16, num_attention_heads=16)
+    check_ulysses_within_node(dims, None)  # unknown: no check
+    check_ulysses_within_node(dims, 16)  # one node
+    with pytest.raises(ValueError, match=r"Choose --ulysses-degree among \[1, 2, 4, 8\]"):
+        check_ulysses_within_node(dims, 8)
+    check_ulysses_within_node(ParallelDims(world_size=16, sequence_parallel_size=16, ulysses_degree=8), 8)
+
+
+def _wan21_folder(root: Path) -> Path:
+    folder = root / "Wan2.1-T2V-1.3B-Diffusers"
+    (folder / "transformer").mkdir(parents=True)
+    (folder / "vae").mkdir()
+    (folder / "transformer/config.json").write_text(json.dumps(WAN21_1_3B))
+    (folder / "vae/config.json").write_text(json.dumps(WAN21_VAE))
+    index = {
+        "_class_name": "WanPipeline",
+        "scheduler": ["diffusers", "UniPCMultistepScheduler"],
+        "text_encoder": ["transformers", "UMT5EncoderModel"],
+        "tokenizer": ["transformers", "T5TokenizerFast"],
+        "transformer": ["diffusers", "WanTransformer3DModel"],
+        "vae": ["diffusers", "AutoencoderKLWan"],
+    }
+    (folder / "model_index.json").write_text(json.dumps(index))
+    return folder
+
+
+def test_real_wan21_shape_from_configs_only(tmp_path):
+    folder = _wan21_folder(tmp_path)
+    argv = [
+        *TINY,
+        "--model.path",
+        str(folder),
+        "--model.dtype",
+        "bfloat16",
+        "--model.activation-checkpointing",
+        "full",
+        "--data.max-sequence-length",
+        "512",
+        "--rollout.num-frames",
+        "81",
+        "--rollout.height",
+        "480",
+        "--rollout.width",
+        "832",
+        "--world-size",
+        "8",
+        "--sequence-parallel-size",
+        "8",
+        "--ulysses-degree",
+        "0",
+    ]
+    rep = _plan(argv)
+    assert 1.2e9 <= rep["params"]["transformer"] <= 1.5e9
+    assert rep["params"]["per_expert"] == [rep["params"]["transformer"]]
+    with torch.device("meta"):
+        from diffusers import WanTransformer3DModel
+
+        meta = WanTransformer3DModel(**{k: v for k, v in WAN21_1_3B.items() if not k.startswith("_")})
+    assert rep["params"]["transformer"] == sum(p.numel() for p in meta.parameters())
+    seq = rep["sequence"]
+    assert seq["latent_shape"] == [16, 21, 60, 104]
+    assert seq["tokens_per_sample"] == 21 * 60 * 104 // 4 == 32760
+    assert seq["tokens_per_sp_rank"] == 32760 // 8
+    assert seq["text_tokens"] == 512
+    mesh = rep["mesh"]
+    # auto: the largest divisor of sp 8 that divides 12 heads
+    assert mesh["ulysses_auto"] and (mesh["ulysses"], mesh["ring"]) == (4, 2)
+    mem = rep["memory_gib"]
+    assert mem["params"] == pytest.approx(rep["params"]["transformer"] * 2 / 8 / 2**30)
+    assert 0 < mem["activations"] < mem["train_peak"] < 141  # fits an H200 per the estimate
+    assert any("will refuse" in w for w in rep["warnings"])  # no text_encoder/tokenizer folders
+
+    # Less checkpointing, more activations; a budget lands in between and within it.
+    acts = {}
+    for mode in ("none", "selective", "full", "budget"):
+        rep_mode = _plan(
+            [*argv, "--model.activation-checkpointing", mode, "--model.activation-memory-budget-gib", "20"]
+        )
+        acts[mode] = rep_mode["memory_gib"]["activations"]
+    assert acts["none"] > acts["selective"] > acts["full"]
+    assert acts["full"] < acts["budget"] <= 20 + acts["none"] / 30  # + one block recomputing
+    # A budget that even full checkpointing cannot meet is refused, as the trainer would.
+    with pytest.raises(DryRunError, match="even with every block fully checkpointed"):
+        _plan(
+            [
+                *argv,
+                "--model.activation-checkpointing",
+                "budget",
+                "--model.activation-memory-budget-gib",
+                "0.01",
+            ]
+        )
+    # 16 ranks of sp 16: 32,760 tokens do not split 16 ways.
+    with pytest.raises(DryRunError, match="not divisible by --sequence-parallel-size 16"):
+        _plan([*argv[:-6], "--world-size", "16", "--sequence-parallel-size", "16", "--ulysses-degree", "4"])
