@@ -37,6 +37,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         trainer = Trainer(cfg)
         trainer.train()
+    except (RuntimeError, dist.DistBackendError) as e:
+        if "timed out" in str(e).lower() or "timeout" in str(e).lower():
+            print(
+                f"[miles] a collective did not complete within run.collective_timeout_s = "
+                f"{cfg.run.collective_timeout_s:g} s: a rank died or hung. Resume from the last complete "
+                f"checkpoint under {cfg.run.output_dir}/{cfg.run.name}/checkpoints by relaunching.",
+                file=sys.stderr,
+            )
+        raise
     finally:
         if trainer is not None:
             trainer.close()

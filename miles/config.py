@@ -190,6 +190,11 @@ class TrainConfig:
     """Keep the last K checkpoints."""
     resume: bool = True
     """Resume from the latest complete checkpoint in the run directory, if any."""
+    export: bool = True
+    """At the end, write the trained transformer(s) as a diffusers folder under ``<run>/export``."""
+    weight_digest: bool = False
+    """Print a sha256 of the full weights after every checkpoint save and load (checks that a resume
+    across topologies restores the same bits; gathers every parameter, so off by default)."""
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -99,3 +99,21 @@ def load_checkpoint(path: Path, models: nn.Module, optimizer: torch.optim.Optimi
     dcp.load(state, checkpoint_id=str(path))
     set_state_dict(models, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     return json.loads((path / "trainer.json").read_text())
+
+
+def weights_digest(models: nn.Module) -> str | None:
+    """Collective: sha256 over every full (unsharded) tensor of ``models`` — name, dtype, shape and
+    bytes — on rank 0 (None elsewhere). The same bits give the same digest in any dp x sp layout."""
+    import hashlib
+
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(models, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() != 0:
+        return None
+    h = hashlib.sha256()
+    for name in sorted(state):
+        t = state[name].detach().contiguous().cpu()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()

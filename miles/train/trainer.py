@@ -15,6 +15,7 @@ import dataclasses
 import math
 import os
 import resource
+import signal
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -42,8 +43,17 @@ from miles.rollout.sampler import (
     sde_step_indices,
 )
 from miles.sequence_parallel import apply_sequence_parallel, validate_sp_args
-from miles.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from miles.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, weights_digest
+from miles.train.export import export_pipeline
 from miles.train.logging import MetricsLogger, print0
+
+
+def _maybe_inject_fault(rank: int, step: int) -> None:
+    """Testing hook: ``MILES_FAULT_KILL=RANK:STEP`` SIGKILLs that rank in the middle of that
+    optimizer step (after its backward, before the update), as a dying machine would."""
+    spec = os.environ.get("MILES_FAULT_KILL")
+    if spec and spec == f"{rank}:{step}":
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 class NonFiniteError(RuntimeError):
@@ -126,6 +136,7 @@ class Trainer:
             eps=cfg.train.adam_eps,
             weight_decay=cfg.train.weight_decay,
         )
+        self._saved_step = -1
         self.step = 0  # optimizer steps taken
         self.rollout_index = 0  # rollout batches completed
         self.experts = nn.ModuleList(self.model.transformers)  # one module for checkpoints
@@ -426,6 +437,7 @@ class Trainer:
                         sums[key] += float(value.detach()) * weight
             if not math.isfinite(sums["loss"]):
                 raise NonFiniteError(f"the loss is NaN or inf at step {self.step + 1}")
+            _maybe_inject_fault(self.rank, self.step + 1)
             grad_norm = self._clip_grad_norm()
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
@@ -494,15 +506,23 @@ class Trainer:
             self._trainer_state(),
             self.cfg.train.keep_checkpoints,
         )
-        print0(f"[miles] checkpoint saved: {path}")
+        self._saved_step = self.step
+        print0(f"[miles] checkpoint saved: {path}{self._digest_note()}")
+
+    def _digest_note(self) -> str:
+        if not self.cfg.train.weight_digest:
+            return ""
+        return f" (weights sha256 {weights_digest(self.experts)})"
 
     def _resume(self, path: Path) -> None:
         state = load_checkpoint(path, self.experts, self.optimizer)
         self.step, self.rollout_index = state["step"], state["rollout_index"]
         self.sampler.load_state_dict(state["sampler"])
+        self._saved_step = self.step
         print0(
             f"[miles] resumed from {path} (step {self.step}, rollout {self.rollout_index}; saved at "
             f"dp {state['dp']} x sp {state['sp']}, now dp {self.dims.dp} x sp {self.dims.sp})"
+            f"{self._digest_note()}"
         )
 
     # ------------------------------------------------------------------------------------------
@@ -521,9 +541,16 @@ class Trainer:
             t0 = time.perf_counter()
             batch = self.rollout()
             t1 = time.perf_counter()
-            batch = self.score(batch)
-            t2 = time.perf_counter()
-            step_stats = self.train_on(batch)
+            try:
+                batch = self.score(batch)
+                t2 = time.perf_counter()
+                step_stats = self.train_on(batch)
+            except NonFiniteError as e:
+                # Nothing of this rollout is saved: the last complete checkpoint stays the good one.
+                last = latest_checkpoint(self.run_dir)
+                raise NonFiniteError(
+                    f"{e}. Stopped without saving; the last good checkpoint is {last or 'none (none was saved)'}"
+                ) from None
             t3 = time.perf_counter()
             self._log(batch, step_stats, t1 - t0, t2 - t1, t3 - t2)
             self.rollout_index += 1
@@ -532,7 +559,13 @@ class Trainer:
             if every and self.rollout_index % every == 0 and self.rollout_index < cfg.train.num_rollouts:
                 self.save()
         bar.close()
-        self.save()
+        if self._saved_step != self.step:
+            self.save()
+        if cfg.train.export:
+            out = export_pipeline(
+                cfg, self.model.path, list(self.model.transformers), self.run_dir / "export"
+            )
+            print0(f"[miles] exported the trained model to {out}")
 
     def _log(
         self, batch: dict, step_stats: list[dict], t_rollout: float, t_reward: float, t_train: float
