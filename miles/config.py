@@ -38,7 +38,7 @@ class RunConfig:
     wandb_project: str = "miles"
     """wandb project name."""
     log_video_every: int = 0
-    """Log sample videos (with prompts and rewards) every N steps; 0 turns it off."""
+    """Log sample videos (with prompts and rewards) every N rollouts; 0 turns it off."""
     progress: bool = True
     """Show progress bars on rank 0."""
     collective_timeout_s: float = 600.0
