@@ -15,7 +15,9 @@ own, without the trainer::
     ...
     handle.remove()
 
-User docs, numerics and the failure table: docs/sequence_parallel.md.
+Any token count works: a length that sp does not divide is padded at the end and the pads
+are excluded from attention and dropped by the gather (docs/sequence_parallel.md, "Uneven
+lengths"). User docs, numerics and the failure table: docs/sequence_parallel.md.
 """
 
 from miles.sequence_parallel.apply import SequenceParallelHandle, apply_sequence_parallel, validate_sp_args
@@ -30,6 +32,7 @@ from miles.sequence_parallel.plan import (
     sequence_parallel_plan,
 )
 from miles.sequence_parallel.ring import RING_BACKENDS, RING_KERNELS, RingKernel, ring_attention
+from miles.sequence_parallel.state import SequenceState, sequence_state
 
 __all__ = [
     "RING_BACKENDS",
@@ -38,6 +41,7 @@ __all__ = [
     "RingKernel",
     "SequenceParallelHandle",
     "SequenceParallelPlan",
+    "SequenceState",
     "ShardInput",
     "ShardOutput",
     "apply_dispatch_sp_attention",
@@ -46,6 +50,7 @@ __all__ = [
     "plan_from_cp_plan",
     "ring_attention",
     "sequence_parallel_plan",
+    "sequence_state",
     "shard_sequence",
     "usp_attention",
     "validate_sp_args",

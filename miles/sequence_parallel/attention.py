@@ -3,6 +3,13 @@
 ``usp_attention`` = Ulysses all-to-all (heads sharded, sequence gathered), ring attention over
 the ring group (or the ordinary local attention when ring = 1), inverse all-to-all.
 
+Padded sequences (S % sp != 0, see ``comm.shard_sequence``): the chunks carry trailing pad
+tokens. Pad KEYS must not be attended to; pad QUERIES are harmless (their outputs are dropped
+by the gather, so their output gradient is exactly zero and adds nothing to dK/dV). With
+ring = 1 the local attention runs on the first S tokens only (queries too, so every real
+row is the very computation of sp = 1) and the pad rows of the output are zeros; with
+ring > 1 each ring step cuts its K/V chunk to its real length (``ring.ring_attention``).
+
 Install (``apply_dispatch_sp_attention``): the modeling module's global
 ``dispatch_attention_fn`` (found through the model class's MRO, so it is also found after
 FSDP2 swaps the class to ``FSDP<Name>``) is replaced by a wrapper, and a marker
@@ -29,10 +36,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from miles.sequence_parallel.comm import ulysses_all_to_all, ulysses_all_to_all_inverse
 from miles.sequence_parallel.ring import ring_attention
+from miles.sequence_parallel.state import SequenceState, sequence_state
 
 __all__ = ["usp_attention", "apply_dispatch_sp_attention", "find_dispatch_module"]
 
@@ -43,10 +52,15 @@ _REFCOUNT_ATTR = "__miles_usp_refcount__"
 
 @dataclass(frozen=True, eq=False)
 class _USPDispatchConfig:
-    """Marker set as a processor's ``_parallel_config``: route this self-attention through USP."""
+    """Marker set as a processor's ``_parallel_config``: route this self-attention through USP.
+
+    ``state``: the model's :class:`SequenceState`, whose ``seq_len`` (the real token count of
+    the current call, recorded by the shard boundaries) tells the attention which keys are pads.
+    """
 
     ulysses_group: dist.ProcessGroup | None
     ring_group: dist.ProcessGroup | None
+    state: SequenceState | None = None
 
     def __deepcopy__(self, memo: dict) -> _USPDispatchConfig:
         # Process groups cannot be copied; a deep-copied model shares the marker (and the hooks).
@@ -72,24 +86,47 @@ def usp_attention(
     ring_group: dist.ProcessGroup | None,
     backend: Any = None,
     local_attention: Callable[..., torch.Tensor] | None = None,
+    seq_len: int | None = None,
 ) -> torch.Tensor:
     """Non-causal self-attention over the full sequence from sequence-sharded inputs.
 
-    ``query``/``key``/``value``: (B, S/sp, H, D), this rank's chunk (chunk index = sp_rank =
-    ring_rank · u + ulysses_rank). Returns (B, S/sp, H, D). ``backend`` is the diffusers
-    attention backend of the call site; with ring = 1 the local attention is
-    ``local_attention(q, k, v, backend=backend)`` (default: diffusers'
-    ``dispatch_attention_fn``), so Ulysses only runs the same kernel as sp = 1, per head.
-    With ring > 1 it selects the ring kernel (see ``ring.RING_KERNELS``).
+    ``query``/``key``/``value``: (B, c, H, D), this rank's chunk (chunk index = sp_rank =
+    ring_rank · u + ulysses_rank) of a sequence of sp·c tokens. Returns (B, c, H, D).
+    ``seq_len``: the real length S when the sequence carries trailing pads (sp·c - S < sp of
+    them, see ``comm.shard_sequence``); pad keys are excluded, pad query rows are don't-care
+    (zeros with ring = 1). ``None`` means no pads. ``backend`` is the diffusers attention backend
+    of the call site; with ring = 1 the local attention is ``local_attention(q, k, v,
+    backend=backend)`` (default: diffusers' ``dispatch_attention_fn``), so Ulysses only runs the
+    same kernel as sp = 1, per head. With ring > 1 it selects the ring kernel (see
+    ``ring.RING_KERNELS``).
     """
-    # (B, S/sp, H, D) -> (B, S/ring, H/u, D)
+    # (B, c, H, D) -> (B, u·c, H/u, D): the contiguous token range of this rank's ring rank
     q, k, v = (ulysses_all_to_all(t, ulysses_group) for t in (query, key, value))
-    if _size(ring_group) > 1:
-        out = ring_attention(q, k, v, ring_group, backend=backend)
+    ring = _size(ring_group)
+    padded = q.shape[1] * ring
+    if seq_len is not None:
+        if not padded - _size(ulysses_group) * ring < seq_len <= padded:
+            raise ValueError(
+                f"seq_len={seq_len} does not fit {ring} ring chunk(s) of {q.shape[1]} tokens "
+                f"(sp = {_size(ulysses_group) * ring}); expected sp·c - sp < seq_len <= sp·c. Under "
+                f"activation checkpointing this is a block recomputed after a forward with another video "
+                f"size: run each call's backward before the next call's forward when the size changes."
+            )
+        if seq_len == padded:
+            seq_len = None
+    if ring > 1:
+        out = ring_attention(q, k, v, ring_group, backend=backend, seq_len=seq_len)
     else:
         dispatch = local_attention if local_attention is not None else _default_dispatch()
-        out = dispatch(q, k, v, backend=backend)
-    # (B, S/ring, H/u, D) -> (B, S/sp, H, D)
+        if seq_len is None:
+            out = dispatch(q, k, v, backend=backend)
+        else:
+            # Exactly sp = 1's attention on the S real tokens; the pad rows (dropped later) are zeros.
+            q, k, v = (t[:, :seq_len] for t in (q, k, v))
+            out = dispatch(q, k, v, backend=backend)
+            # (B, S, H/u, D) -> (B, sp·c, H/u, D)
+            out = F.pad(out, (0, 0, 0, 0, 0, padded - seq_len))
+    # (B, u·c, H/u, D) -> (B, c, H, D)
     return ulysses_all_to_all_inverse(out, ulysses_group)
 
 
@@ -134,6 +171,7 @@ def _make_wrapper(original: Callable[..., torch.Tensor]) -> Callable[..., torch.
             ring_group=config.ring_group,
             backend=a.get("backend"),
             local_attention=original,
+            seq_len=config.state.seq_len if config.state is not None else None,
         )
 
     dispatch_attention_fn.__doc__ = original.__doc__
@@ -189,7 +227,9 @@ def apply_dispatch_sp_attention(
     setattr(wrapper, _REFCOUNT_ATTR, getattr(wrapper, _REFCOUNT_ATTR) + 1)
     setattr(module, _DISPATCH_NAME, wrapper)
 
-    marker = _USPDispatchConfig(ulysses_group=ulysses_group, ring_group=ring_group)
+    state = sequence_state(model)
+    marker = _USPDispatchConfig(ulysses_group=ulysses_group, ring_group=ring_group, state=state)
+    state.attention_pads = True  # usp_attention excludes pad keys
     # (processor, had an instance attribute, its value): the default lives on the class.
     saved = [(proc, "_parallel_config" in vars(proc), proc._parallel_config) for proc in processors]
     for proc in processors:
@@ -202,6 +242,7 @@ def apply_dispatch_sp_attention(
         if removed:
             return
         removed = True
+        state.attention_pads = False
         for proc, had_own, old in saved:
             if proc._parallel_config is not marker:
                 continue

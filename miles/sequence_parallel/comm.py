@@ -1,12 +1,14 @@
 """Differentiable collectives of sequence parallelism: shard, gather, Ulysses all-to-all.
 
-- ``shard_sequence``: keep this rank's chunk of a full-sequence tensor (backward: the slice's
-  gradient, zero elsewhere — each rank only sees its own tokens).
-- ``gather_sequence``: all-gather the chunks back into the full sequence. Its backward
-  all-reduces (SUM) the full gradient over the sp group and returns the local slice. Every sp
-  rank computes the same loss from the same full output, so each rank's local gradient is
-  then ``sp x`` its share; FSDP's mean over dp x sp turns that back into the dp mean exactly:
-  (1/(dp·sp)) · Σ_dp Σ_sp sp·g_local = (1/dp) · Σ_dp g.
+- ``shard_sequence``: keep this rank's chunk of a full-sequence tensor. A length S that sp
+  does not divide is first zero-padded at the END to sp·c tokens, c = ceil(S / sp), so every
+  rank holds c tokens and every collective stays even-sized; only the highest ranks hold pads
+  (backward: the slice's gradient, zero elsewhere and at the pads).
+- ``gather_sequence``: all-gather the chunks back into the full sequence and drop the trailing
+  pads. Its backward all-reduces (SUM) the full gradient over the sp group and returns the
+  local slice (zero at the pads). Every sp rank computes the same loss from the same full
+  output, so each rank's local gradient is then ``sp x`` its share; FSDP's mean over dp x sp
+  turns that back into the dp mean exactly: (1/(dp·sp)) · Σ_dp Σ_sp sp·g_local = (1/dp) · Σ_dp g.
 - ``ulysses_all_to_all``: (B, S/sp, H, D) -> (B, S/ring, H/u, D) and its inverse; an
   equal-split all-to-all is its own adjoint, so the backward is the opposite all-to-all.
 
@@ -17,8 +19,15 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
-__all__ = ["shard_sequence", "gather_sequence", "ulysses_all_to_all", "ulysses_all_to_all_inverse"]
+__all__ = [
+    "gather_sequence",
+    "padded_chunk",
+    "shard_sequence",
+    "ulysses_all_to_all",
+    "ulysses_all_to_all_inverse",
+]
 
 
 # torch 2.13 renamed all_gather_into_tensor (deprecated there); torch 2.11 has only the old name.
@@ -29,30 +38,40 @@ def _group_size(group: dist.ProcessGroup | None) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
+def padded_chunk(length: int, size: int) -> int:
+    """Tokens per rank when ``length`` tokens are sharded over ``size`` ranks: ceil(length / size)."""
+    return -(-length // size)
+
+
 def shard_sequence(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
-    """This rank's contiguous chunk of ``x`` along ``dim`` (chunk index = rank in ``group``)."""
+    """This rank's contiguous chunk of ``x`` along ``dim`` (chunk index = rank in ``group``).
+
+    A length that the group size does not divide is zero-padded at the end to ``size · c``,
+    ``c = ceil(length / size)``; the chunk of a rank past the real length holds pads only.
+    """
     size = _group_size(group)
     length = x.size(dim)
-    if length % size != 0:
-        raise ValueError(
-            f"sequence length {length} (tensor dim {dim} of shape {tuple(x.shape)}) is not divisible by the "
-            f"sequence-parallel size {size}; padding is not implemented. Change the video size (frames, "
-            f"height, width) so the number of patchified tokens is a multiple of {size}, or choose a "
-            f"--sequence-parallel-size that divides {length}."
-        )
-    chunk = length // size
+    chunk = padded_chunk(length, size)
+    if chunk * size != length:
+        # (..., S, ...) -> (..., size·c, ...): zeros keep the pad tokens finite through every layer.
+        pad = [0, 0] * (x.dim() - 1 - dim % x.dim()) + [0, chunk * size - length]
+        x = F.pad(x, pad)
     return x.narrow(dim, dist.get_rank(group) * chunk, chunk).contiguous()
 
 
 class _GatherSequence(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, dim: int, group: dist.ProcessGroup, length: int | None) -> torch.Tensor:
         ctx.dim, ctx.group = dim, group
         size = dist.get_world_size(group)
         # Gather along dim 0 into one buffer: (size * chunk, ...) then move the axis back.
         local = x.movedim(dim, 0).contiguous()
         out = local.new_empty((size * local.shape[0], *local.shape[1:]))
         _all_gather_single(out, local, group=group)
+        ctx.padded = out.shape[0]
+        if length is not None and length != ctx.padded:
+            assert ctx.padded - size < length < ctx.padded, (length, ctx.padded, size)
+            out = out[:length]  # drop the trailing pads
         return out.movedim(0, dim)
 
     @staticmethod
@@ -61,13 +80,22 @@ class _GatherSequence(torch.autograd.Function):
         grad = grad.clone(memory_format=torch.contiguous_format)
         dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
         size, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
-        chunk = grad.size(ctx.dim) // size
-        return grad.narrow(ctx.dim, rank * chunk, chunk).contiguous(), None, None
+        chunk = ctx.padded // size
+        grad = grad.movedim(ctx.dim, 0)
+        if grad.shape[0] != ctx.padded:  # pads had no output: their gradient is zero
+            grad = torch.cat([grad, grad.new_zeros((ctx.padded - grad.shape[0], *grad.shape[1:]))])
+        return grad[rank * chunk : (rank + 1) * chunk].movedim(0, ctx.dim).contiguous(), None, None, None
 
 
-def gather_sequence(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
-    """All-gather the sequence chunks of ``group`` along ``dim``; backward = SUM over sp, local slice."""
-    return _GatherSequence.apply(x, dim, group)
+def gather_sequence(
+    x: torch.Tensor, dim: int, group: dist.ProcessGroup, length: int | None = None
+) -> torch.Tensor:
+    """All-gather the sequence chunks of ``group`` along ``dim``; backward = SUM over sp, local slice.
+
+    ``length``: the real sequence length when the chunks carry trailing pads (see
+    :func:`shard_sequence`); the result is cut to it. ``None``: keep everything.
+    """
+    return _GatherSequence.apply(x, dim, group, length)
 
 
 class _AllToAll(torch.autograd.Function):

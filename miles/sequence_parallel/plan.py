@@ -5,7 +5,10 @@ A plan has three parts:
 - ``boundaries``: module path -> where the sequence is sharded (an input before the module
   runs, or an output after it) and where it is gathered back (an output);
 - ``attention_installer(model, ulysses_group, ring_group) -> remove``: puts USP
-  self-attention into the model; the default is ``apply_dispatch_sp_attention``;
+  self-attention into the model; the default is ``apply_dispatch_sp_attention``. An installer
+  whose attention excludes pad keys (reading ``sequence_state(model).seq_len``) sets
+  ``sequence_state(model).attention_pads = True``; without it a token count that sp does not
+  divide raises at the first shard;
 - ``num_attention_heads``: checked against the Ulysses degree.
 
 ``sequence_parallel_plan(model)`` returns the plan a family pre-attached as

@@ -6,6 +6,16 @@ results with the online-softmax rule, and ``_templated_ring_attention_backward``
 ring with the kernel's real backward. Non-causal only, so load balancing is switched off
 for the duration of each call (torch's default of True raises for non-causal attention).
 
+Padded sequences: the templates rotate fixed-shape K/V buffers, so a sequence of S real
+tokens in ``ring`` chunks of n carries its trailing pads in the last chunk(s). The kernel
+wrapper given to the templates (``_PaddedRingStep``, a fresh one per forward and per backward)
+counts its calls: call i attends to the chunk of ring rank src = (rank - i) mod ring, whose
+real length is L = clamp(S - src·n, 0, n). It cuts K/V to L before the kernel (forward) and
+zero-pads dK/dV back to n (backward). A chunk of pads only (L = 0) contributes out = 0,
+lse = -inf, which the online-softmax merge leaves bitwise unchanged. A rank whose own chunk is
+all pads has pad queries only: it skips the kernel and returns finite zeros (its outputs are
+dropped, and its output gradient is zero).
+
 Kernels (``RING_KERNELS``), chosen by the call site's diffusers attention backend:
 
     backend                        CUDA tensors                          CPU tensors
@@ -29,6 +39,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 __all__ = [
     "RING_BACKENDS",
@@ -50,7 +61,8 @@ class RingKernel:
 
     ``forward(query, key, value, *, is_causal, scale) -> (out, lse, extras)`` on (B, H, S, D)
     tensors with ``lse`` of shape (B, H, S); ``extras`` is a dict of keyword arguments the
-    backward needs (identical for every ring step, since all chunks have the same shape).
+    backward needs (identical for every ring step except ``max_q``/``max_k``, which the ring
+    sets per step from the actual shapes).
     ``backward(*, grad_out, query, key, value, out, logsumexp, is_causal, scale, **extras)
     -> (dq, dk, dv)``.
     """
@@ -210,27 +222,94 @@ def _load_balance_off(templates):
         templates._cp_options.enable_load_balance = old
 
 
+class _PaddedRingStep:
+    """The kernel of one ring forward or backward, called once per ring step by the templates.
+
+    ``seq_len``: the real length S of the ring's ring·n tokens (None: no pads). See the module
+    docstring for what it does with the pads.
+    """
+
+    def __init__(self, kernel: RingKernel, rank: int, size: int, chunk: int, seq_len: int | None):
+        self.kernel, self.rank, self.size, self.chunk, self.seq_len = kernel, rank, size, chunk, seq_len
+        self.step = 0
+        self.extras: dict[str, Any] = {}
+
+    def _real_length(self, ring_rank: int) -> int:
+        if self.seq_len is None:
+            return self.chunk
+        return min(max(self.seq_len - ring_rank * self.chunk, 0), self.chunk)
+
+    def _next(self) -> tuple[int, int]:
+        """(real length of this rank's queries, real length of this step's K/V chunk)."""
+        src = (self.rank - self.step) % self.size  # the templates pass K/V from rank - 1 each step
+        self.step += 1
+        return self._real_length(self.rank), self._real_length(src)
+
+    def forward(self, query, key, value, *, is_causal, scale):
+        own, length = self._next()
+        if own == 0 or length == 0:
+            b, h, s, d = query.shape
+            out = query.new_zeros(b, h, s, value.shape[-1])
+            # Pad queries only: any finite value (0). Pad keys only: lse = -inf, a no-op in the merge.
+            fill = 0.0 if own == 0 else float("-inf")
+            lse = torch.full((b, h, s), fill, dtype=torch.float32, device=query.device)
+            return out, lse, self.extras
+        if length < self.chunk:
+            # (B, H, n, D) -> (B, H, L, D): the real keys of this chunk
+            key, value = key[:, :, :length].contiguous(), value[:, :, :length].contiguous()
+        out, lse, self.extras = self.kernel.forward(query, key, value, is_causal=is_causal, scale=scale)
+        return out, lse, self.extras
+
+    def backward(self, *, grad_out, query, key, value, out, logsumexp, is_causal, scale, **extras):
+        own, length = self._next()
+        if own == 0 or length == 0:
+            return torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
+        if length < self.chunk:
+            key, value = key[:, :, :length].contiguous(), value[:, :, :length].contiguous()
+        if "max_k" in extras:  # shapes of this step (varlen-only for the CUDA kernels, kept honest)
+            extras = dict(extras, max_q=query.shape[2], max_k=length)
+        dq, dk, dv, *_ = self.kernel.backward(
+            grad_out=grad_out,
+            query=query,
+            key=key,
+            value=value,
+            out=out,
+            logsumexp=logsumexp,
+            is_causal=is_causal,
+            scale=scale,
+            **extras,
+        )
+        if length < self.chunk:
+            # (B, H, L, D) -> (B, H, n, D): pad keys get no gradient
+            dk, dv = (F.pad(t, (0, 0, 0, self.chunk - length)) for t in (dk, dv))
+        return dq, dk, dv
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, query, key, value, group, kernel, scale):
+    def forward(ctx, query, key, value, group, kernel, scale, seq_len):
         templates = _ring_templates()
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        step = _PaddedRingStep(kernel, rank, size, query.shape[2], seq_len)
         with _load_balance_off(templates):
             out, lse, extras = templates._templated_ring_attention(
-                group, 2, kernel.forward, query, key, value, is_causal=False, scale=scale
+                group, 2, step.forward, query, key, value, is_causal=False, scale=scale
             )
         ctx.save_for_backward(query, key, value, out, lse)
-        ctx.group, ctx.kernel, ctx.scale, ctx.extras = group, kernel, scale, extras
+        ctx.group, ctx.kernel, ctx.scale, ctx.extras, ctx.seq_len = group, kernel, scale, extras, seq_len
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         query, key, value, out, lse = ctx.saved_tensors
         templates = _ring_templates()
+        rank, size = dist.get_rank(ctx.group), dist.get_world_size(ctx.group)
+        step = _PaddedRingStep(ctx.kernel, rank, size, query.shape[2], ctx.seq_len)
         with _load_balance_off(templates):
             dq, dk, dv, *_ = templates._templated_ring_attention_backward(
                 ctx.group,
                 2,
-                ctx.kernel.backward,
+                step.backward,
                 grad_out=grad_out.contiguous(),
                 grad_out_name="grad_out",
                 query=query,
@@ -242,7 +321,7 @@ class _RingAttention(torch.autograd.Function):
                 scale=ctx.scale,
                 **ctx.extras,
             )
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, None
 
 
 def ring_attention(
@@ -253,14 +332,17 @@ def ring_attention(
     *,
     backend: Any = None,
     scale: float | None = None,
+    seq_len: int | None = None,
 ) -> torch.Tensor:
     """Non-causal attention of local queries over the K/V of every rank in ``group``.
 
-    Layout (B, S_local, H, D) in and out (diffusers' layout); the kernels run on (B, H, S, D).
+    Layout (B, n, H, D) in and out (diffusers' layout); the kernels run on (B, H, n, D). Rank r
+    holds tokens [r·n, (r+1)·n) of a ring·n sequence; ``seq_len`` (None: ring·n) is the real
+    length S: keys at positions >= S are excluded, outputs there are don't-care.
     """
     kernel = select_ring_kernel(backend, query.device)
-    # (B, S, H, D) -> (B, H, S, D)
+    # (B, n, H, D) -> (B, H, n, D)
     q, k, v = (t.transpose(1, 2).contiguous() for t in (query, key, value))
-    out = _RingAttention.apply(q, k, v, group, kernel, scale)
-    # (B, H, S, D) -> (B, S, H, D)
+    out = _RingAttention.apply(q, k, v, group, kernel, scale, seq_len)
+    # (B, H, n, D) -> (B, n, H, D)
     return out.transpose(1, 2)

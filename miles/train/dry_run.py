@@ -351,13 +351,8 @@ def dry_run(
     # --- sequence
     latent_shape = model.latent_shape(r.num_frames, r.height, r.width)
     tokens = model.num_tokens(r.num_frames, r.height, r.width)
-    if dims.sp > 1 and tokens % dims.sp:
-        divisors = [d for d in range(2, min(tokens, 64) + 1) if tokens % d == 0]
-        raise DryRunError(
-            f"{tokens} tokens per sample ({r.num_frames} frames {r.height}x{r.width}) are not divisible by "
-            f"--sequence-parallel-size {dims.sp}; padding is not implemented, so the run would fail at the "
-            f"first shard. Change the video size or choose sp among {divisors[:12]}."
-        )
+    # Uneven lengths are padded at the shard boundary: every sp rank holds ceil(S/sp) tokens.
+    pads = -tokens % dims.sp
     try:
         num_sde_steps = len(
             sde_step_indices(
@@ -402,7 +397,7 @@ def dry_run(
     # --- memory per rank (see the module docstring for the formulas)
     b = DTYPES[cfg.model.dtype].itemsize
     W = world_size
-    T = tokens // dims.sp
+    T = -(-tokens // dims.sp)
     D = tcfg.num_attention_heads * tcfg.attention_head_dim
     F = tcfg.ffn_dim
     L = tcfg.num_layers
@@ -489,7 +484,8 @@ def dry_run(
             "latent_shape": list(latent_shape),
             "tokens_per_sample": tokens,
             "tokens_per_sp_rank": T,
-            "tokens_per_rank_in_attention": tokens // dims.ring,
+            "tokens_per_rank_in_attention": T * dims.ulysses,
+            "pad_tokens": pads,
             "text_tokens": cfg.data.max_sequence_length,
             "samples_per_rank": samples,
             "micro_batch": micro,
@@ -598,8 +594,14 @@ def format_report(rep: dict[str, Any]) -> str:
     lines += [
         f"sequence  {seq['num_frames']} frames {seq['height']}x{seq['width']} -> latent "
         f"{tuple(seq['latent_shape'])} -> {_n(seq['tokens_per_sample'])} tokens/sample",
-        f"          {_n(seq['tokens_per_sp_rank'])} tokens per sp rank (S/sp = {_n(seq['tokens_per_sample'])}/"
-        f"{mesh['sp']}); {_n(seq['tokens_per_rank_in_attention'])} in attention after the all-to-all (S/ring)",
+        f"          {_n(seq['tokens_per_sp_rank'])} tokens per sp rank (ceil(S/sp) = "
+        f"ceil({_n(seq['tokens_per_sample'])}/{mesh['sp']})"
+        + (
+            f"; {seq['pad_tokens']} pad tokens on the last rank(s), excluded from attention"
+            if seq["pad_tokens"]
+            else ""
+        )
+        + f"); {_n(seq['tokens_per_rank_in_attention'])} in attention after the all-to-all (S/ring)",
         f"          {seq['text_tokens']} text tokens; {seq['samples_per_rank']} samples per dp rank, micro batch "
         f"{seq['micro_batch']}{cfg_note} per forward; {seq['num_sde_steps']} SDE steps trained",
     ]

@@ -20,6 +20,7 @@ FSDP's mean over dp x sp then gives (1/dp) · Σ_dp g. Tolerances:
 from __future__ import annotations
 
 import copy
+import dataclasses
 import random
 
 import pytest
@@ -27,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from miles.parallel.topology import ParallelDims, build_parallel_mesh
-from miles.sequence_parallel import apply_sequence_parallel
+from miles.sequence_parallel import apply_sequence_parallel, sequence_parallel_plan
 from miles.sequence_parallel.attention import find_dispatch_module
 from tests.dist_utils import run_distributed
 
@@ -159,13 +160,22 @@ def _sp1_and_failures_body(rank, world_size, seed):
     assert torch.equal(out, ref_out)
     assert all(torch.equal(grads[n], ref_grads[n]) for n in grads)
 
-    # S % sp != 0 raises at the first forward, in shard_sequence, naming the fix
+    # S % sp != 0 is padded (tests/distributed/test_usp_uneven.py has the parity bands): 9 tokens
+    # at sp 2 (c = 5, Ulysses only) give the reference output bitwise
     mesh = build_parallel_mesh(ParallelDims(world_size=world_size, sequence_parallel_size=world_size), "cpu")
     sp_model = copy.deepcopy(model)
+    odd_inputs, odd_weight = make_inputs("t2v", seed, frames=1, size=6)  # 1 * 3 * 3 = 9 tokens
+    odd_ref = forward_backward(model, odd_inputs, odd_weight)[0]
     handle = apply_sequence_parallel(sp_model, mesh)
-    odd_inputs, _ = make_inputs("t2v", seed, frames=1, size=6)  # 1 * 3 * 3 = 9 tokens
+    assert torch.equal(forward_backward(sp_model, odd_inputs, odd_weight)[0], odd_ref)
+    handle.remove()
+    # ... unless a family's attention installer does not exclude pads: then it raises at the shard
+    unaware = dataclasses.replace(
+        sequence_parallel_plan(sp_model), attention_installer=lambda model, u, r: lambda: None
+    )
+    handle = apply_sequence_parallel(sp_model, mesh, plan=unaware)
     with pytest.raises(
-        ValueError, match=r"sequence length 9 .* not divisible by the sequence-parallel size 2"
+        ValueError, match=r"sequence length 9 is not divisible .* does not exclude pad tokens"
     ):
         sp_model(**odd_inputs, return_dict=False)
     handle.remove()

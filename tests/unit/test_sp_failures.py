@@ -1,7 +1,9 @@
 """The SP failure table (docs/sequence_parallel.md), one test per row, plus install/remove wiring.
 
-Rows that need a real sp group of size > 1 (S % sp) live in
-tests/distributed/test_usp_model.py; everything else runs in one process.
+Rows that need a real sp group of size > 1 (a length sp does not divide with a family attention
+installer that does not exclude pads) live in tests/distributed/test_usp_model.py; everything
+else runs in one process. S % sp != 0 itself is no longer a failure: it is padded
+(tests/distributed/test_usp_uneven.py).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from miles.sequence_parallel import (
 from miles.sequence_parallel.attention import _USPDispatchConfig, find_dispatch_module
 from miles.sequence_parallel.plan import GatherOutput, ShardInput, ShardOutput
 from miles.sequence_parallel.ring import _TEMPLATES_MODULE
+from miles.sequence_parallel.state import sequence_state
 
 
 def tiny_wan(**overrides):
@@ -77,6 +80,27 @@ def test_row_heads_not_divisible_by_ulysses():
         apply_sequence_parallel(model, _fake_mesh(2, 2, 2))
     assert find_dispatch_module(model).dispatch_attention_fn.__name__ == "dispatch_attention_fn"
     assert not hasattr(find_dispatch_module(model).dispatch_attention_fn, "__miles_usp_original__")
+
+
+# --- row: one model call shards two different lengths (a plan mixing lengths, or an activation-
+# checkpointed block recomputed after a forward with another video size) -> the shard hook
+def test_row_sequence_length_changes_within_a_call():
+    model = tiny_wan()
+    state = sequence_state(model)
+    assert sequence_state(model) is state and sequence_state(tiny_wan()) is not state  # one per model
+    state.record(37)
+    state.record(37)
+    with pytest.raises(ValueError, match="already sharded 37 tokens.*activation checkpointing"):
+        state.record(40)
+
+
+def test_pad_aware_flag_follows_the_attention_install():
+    model = tiny_wan()
+    remove = apply_dispatch_sp_attention(model, None, None)
+    marker = model.blocks[0].attn1.processor._parallel_config
+    assert marker.state is sequence_state(model) and marker.state.attention_pads
+    remove()
+    assert not sequence_state(model).attention_pads
 
 
 # --- row: ring > 1 without torch's ring templates -> ModuleNotFoundError at the first ring call

@@ -101,3 +101,20 @@ def test_explicit_ulysses_degree_must_divide_heads():
         ParallelDims(world_size=8, sequence_parallel_size=8, ulysses_degree=8, num_attention_heads=12)
     with pytest.raises(ValueError, match=">= 0"):
         resolve_ulysses_degree(4, -1, 12)
+
+
+def test_heads_that_sp_does_not_divide():
+    # Wan2.1-1.3B: 12 heads; Wan2.2-5B: 24 heads; a tiny model: 6 heads. Auto keeps the largest
+    # Ulysses degree dividing both, the ring takes the rest; an explicit bad degree lists the valid ones.
+    assert resolve_ulysses_degree(4, 0, 6) == 2
+    assert resolve_ulysses_degree(16, 0, 12) == 4
+    assert resolve_ulysses_degree(16, 0, 24) == 8
+    assert resolve_ulysses_degree(8, 0, 24) == 8
+    dims = ParallelDims(world_size=16, sequence_parallel_size=16, num_attention_heads=12)
+    assert (dims.ulysses, dims.ring) == (4, 4)
+    with pytest.raises(
+        ValueError, match=r"ulysses_degree=4 .* num_attention_heads=6.*Valid degrees: \[1, 2\]"
+    ):
+        resolve_ulysses_degree(4, 4, 6)
+    with pytest.raises(ValueError, match=r"Valid degrees: \[1, 2, 4, 8\]"):
+        resolve_ulysses_degree(16, 16, 24)
