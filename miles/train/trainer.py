@@ -279,8 +279,13 @@ class Trainer:
         function of its global index in the rollout batch only."""
         cfg, r = self.cfg, self.cfg.rollout
         groups = next(self.sampler)
-        prompts = [self.prompts[i].text for i in groups.prompt_indices]
-        group_ids = torch.as_tensor(groups.group_ids)
+        G = cfg.data.group_size
+        sample_ids = [g * G + i % G for i, g in enumerate(groups.group_ids)]  # global sample index
+        order = self._step_major_order(len(sample_ids))
+        prompts = [self.prompts[groups.prompt_indices[i]].text for i in order]
+        group_list = [groups.group_ids[i] for i in order]
+        sample_ids = [sample_ids[i] for i in order]
+        group_ids = torch.as_tensor(group_list)
         # The SDE steps are the same on every rank (so expert routing and FSDP's collectives match).
         sde_steps = sde_step_indices(
             r.num_steps,
@@ -292,9 +297,7 @@ class Trainer:
         latent_shape = self.model.latent_shape(r.num_frames, r.height, r.width)
         # Keyed by global sample index, so dp4, dp2 x sp2 and sp4 draw the same videos; sp peers
         # share dp_rank and so share samples.
-        G = cfg.data.group_size
-        sample_ids = [g * G + i % G for i, g in enumerate(groups.group_ids)]  # global sample index
-        init_keys = groups.group_ids if r.same_noise_per_group else sample_ids
+        init_keys = group_list if r.same_noise_per_group else sample_ids
         init_noise = torch.stack(
             [
                 torch.randn(latent_shape, generator=self._generator(2, self.rollout_index, k))
@@ -336,6 +339,23 @@ class Trainer:
                 )
                 chunks.append({"slice": sl, "pos": pos.to(dtype), "neg": neg.to(dtype), "rollout": ro})
         return {"prompts": prompts, "group_ids": group_ids, "chunks": chunks, "sde_steps": sde_steps}
+
+    def _step_major_order(self, n: int) -> list[int]:
+        """The order of this rank's samples, so that consecutive optimizer steps take the same
+        global samples in every dp layout.
+
+        Samples arrive group by group. Each step takes the same slice of every group (sample i of
+        a group goes to step i // (G / steps)), which depends on neither dp nor prompts_per_rank.
+        If steps_per_rollout does not divide the group size, groups stay whole and consecutive
+        ones go to consecutive steps (then the split depends on the dp layout).
+        """
+        cfg = self.cfg
+        steps, G = cfg.train.steps_per_rollout, cfg.data.group_size
+        if G % steps:
+            return list(range(n))
+        per = G // steps
+        groups = n // G
+        return [j * G + m * per + i for m in range(steps) for j in range(groups) for i in range(per)]
 
     def _micro_slices(self, n: int) -> list[slice]:
         mb = self.cfg.train.micro_batch_size

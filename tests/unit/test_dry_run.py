@@ -307,5 +307,7 @@ def test_real_wan21_shape_from_configs_only(tmp_path):
             ]
         )
     # 16 ranks of sp 16: 32,760 tokens do not split 16 ways: padded to 16 x 2,048 (8 pad tokens).
-    plan16 = _plan([*argv[:-6], "--world-size", "16", "--sequence-parallel-size", "16", "--ulysses-degree", "4"])
+    plan16 = _plan(
+        [*argv[:-6], "--world-size", "16", "--sequence-parallel-size", "16", "--ulysses-degree", "4"]
+    )
     assert plan16["sequence"]["tokens_per_sp_rank"] == 2048 and plan16["sequence"]["pad_tokens"] == 8
