@@ -51,5 +51,13 @@ e2e-gpu: tiny-model
 	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(VENV)/bin/torchrun --standalone --nproc-per-node 1 train_grpo.py \
 		--config configs/tiny_gpu.yaml
 
+# Every SP band (sp1/dp4, u4r1, u2r2, u1r4, dp2xu2) for 5 rollouts, each run twice: a table in runs/bands.
+e2e-bands: tiny-model
+	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(PY) bench/e2e_bands.py --out runs/bands --double-run
+
+# One-GPU benchmarks (needs CUDA): the trainer's step vs stock diffusers at Wan shapes.
+bench: setup
+	$(PY) bench/gpu_bench.py --out bench/results
+
 clean:
 	rm -rf runs wandb .pytest_cache .ruff_cache
