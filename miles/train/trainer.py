@@ -375,8 +375,9 @@ class Trainer:
         gathered = [torch.empty_like(stacked) for _ in range(self.mesh.dp_size)]
         dist.all_gather(gathered, stacked.contiguous(), group=self.mesh.dp_group)
         everything = torch.cat(gathered, dim=1)
-        ids = [torch.empty_like(batch["group_ids"]) for _ in range(self.mesh.dp_size)]
-        dist.all_gather(ids, batch["group_ids"].contiguous(), group=self.mesh.dp_group)
+        local_ids = batch["group_ids"].to(self.device)  # NCCL gathers device tensors only
+        ids = [torch.empty_like(local_ids) for _ in range(self.mesh.dp_size)]
+        dist.all_gather(ids, local_ids, group=self.mesh.dp_group)
         n = batch["group_ids"].numel()
         advantages = group_advantages(
             everything[0],
@@ -499,7 +500,7 @@ class Trainer:
 
     def _mean_over_dp(self, row: dict) -> dict:
         keys = sorted(row)
-        t = torch.tensor([row[k] for k in keys], dtype=torch.float64)
+        t = torch.tensor([row[k] for k in keys], dtype=torch.float64, device=self.device)
         dist.all_reduce(t, group=self.mesh.dp_group)
         return {k: v / self.mesh.dp_size for k, v in zip(keys, t.tolist())}
 
