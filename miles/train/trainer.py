@@ -315,7 +315,7 @@ class Trainer:
             ),
             torch.no_grad(),
         ):
-            for sl in self._micro_slices(len(prompts)):
+            for sl in self._bar(self._micro_slices(len(prompts)), "rollout micro-batches"):
                 # Text encoding, sampling and decoding all run on the same fixed micro-batches, so
                 # a sample's numbers do not depend on the layout (or on dp), and training's
                 # recompute sees exactly the rollout's batch composition.
@@ -356,6 +356,10 @@ class Trainer:
         per = G // steps
         groups = n // G
         return [j * G + m * per + i for m in range(steps) for j in range(groups) for i in range(per)]
+
+    def _bar(self, items, desc: str):
+        """An inner progress bar on rank 0 (cleared when done)."""
+        return tqdm(items, desc=desc, leave=False, disable=self.rank != 0 or not self.cfg.run.progress)
 
     def _micro_slices(self, n: int) -> list[slice]:
         mb = self.cfg.train.micro_batch_size
@@ -411,7 +415,7 @@ class Trainer:
         chunks = batch["chunks"]
         per_step = len(chunks) // cfg.train.steps_per_rollout
         stats = []
-        for m in range(cfg.train.steps_per_rollout):
+        for m in self._bar(range(cfg.train.steps_per_rollout), "optimizer steps"):
             mine = chunks[m * per_step : (m + 1) * per_step]
             num_k = mine[0]["rollout"].log_probs.shape[1]
             samples = sum(c["rollout"].log_probs.shape[0] for c in mine)
