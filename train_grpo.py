@@ -8,6 +8,7 @@ See README.md for the recipes and ``--help`` for every option.
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch.distributed as dist
@@ -35,7 +36,13 @@ def main(argv: list[str] | None = None) -> int:
 
     trainer = None
     try:
-        trainer = Trainer(cfg)
+        try:
+            trainer = Trainer(cfg)
+        except (ValueError, FileNotFoundError) as e:
+            # Bad input found before any rollout: the message names the fix.
+            if int(os.environ.get("RANK", "0")) == 0:
+                print(f"error: {e}", file=sys.stderr)
+            return 2
         trainer.train()
     except (RuntimeError, dist.DistBackendError) as e:
         if "timed out" in str(e).lower() or "timeout" in str(e).lower():

@@ -69,7 +69,7 @@ def load_prompts(path: str | Path) -> list[Prompt]:
                 raise ValueError(f"{path}:{lineno}: needs a non-empty string 'prompt' key")
             prompts.append(Prompt(text, record))
     if not prompts:
-        raise ValueError(f"{path}: no prompts in file")
+        raise ValueError(f"{path}: no prompts in file; data.prompt_file needs at least one non-empty line")
     return prompts
 
 
@@ -107,9 +107,9 @@ class GroupSampler:
         self.prompts_per_step = dp_size * prompts_per_dp_rank
         if num_prompts < self.prompts_per_step:
             raise ValueError(
-                f"{num_prompts} prompts are fewer than one step needs (dp_size {dp_size} × "
-                f"prompts_per_dp_rank {prompts_per_dp_rank} = {self.prompts_per_step}): add prompts "
-                "or lower prompts_per_dp_rank"
+                f"{num_prompts} prompts are fewer than one rollout needs (dp size {dp_size} × "
+                f"data.prompts_per_rank {prompts_per_dp_rank} = {self.prompts_per_step}): add prompts "
+                "to data.prompt_file, lower data.prompts_per_rank, or use fewer dp ranks (more sp)"
             )
         self.num_prompts = num_prompts
         self.prompts_per_dp_rank = prompts_per_dp_rank

@@ -35,12 +35,10 @@ def export_pipeline(cfg: Config, model_path: Path, experts: list[nn.Module], out
     """Collective; rank 0 writes ``out_dir``. Returns the folder on rank 0, None elsewhere."""
     states = full_state_dicts(experts)
     if dist.get_rank() != 0:
-        dist.barrier()
+        # No barrier: writing a large pipeline can outlast the collective timeout, and nothing
+        # after the export needs the other ranks.
         return None
-    try:
-        _write(cfg, model_path, states, Path(out_dir))
-    finally:
-        dist.barrier()
+    _write(cfg, model_path, states, Path(out_dir))
     return Path(out_dir)
 
 
@@ -71,6 +69,8 @@ def _write(cfg: Config, model_path: Path, states: list[dict], out_dir: Path) -> 
             WanPipeline.save_lora_weights(
                 tmp / "lora" / name,
                 transformer_lora_layers=get_peft_model_state_dict(transformer),
+                # alpha / rank travel with the adapter, or loading assumes scale 1
+                transformer_lora_adapter_metadata=transformer.peft_config["default"].to_dict(),
                 safe_serialization=True,
             )
             transformer.fuse_lora(lora_scale=1.0)

@@ -53,6 +53,16 @@ class MetricsLogger:
                 project=project, name=name, dir=str(self.run_dir), mode=mode, config=config, resume="allow"
             )
 
+    def truncate_after(self, step: int) -> None:
+        """Drop rows logged after ``step`` (a resumed run repeats those steps)."""
+        if not self.enabled:
+            return
+        path = self.run_dir / "metrics.jsonl"
+        self._jsonl.close()
+        rows = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+        path.write_text("".join(r + "\n" for r in rows))
+        self._jsonl = open(path, "a")
+
     def log(self, metrics: dict, step: int) -> None:
         if not self.enabled:
             return

@@ -140,8 +140,6 @@ class Trainer:
         self.step = 0  # optimizer steps taken
         self.rollout_index = 0  # rollout batches completed
         self.experts = nn.ModuleList(self.model.transformers)  # one module for checkpoints
-        if cfg.train.resume and (ckpt := latest_checkpoint(self.run_dir)) is not None:
-            self._resume(ckpt)
         self.logger = MetricsLogger(
             self.run_dir,
             dataclasses.asdict(cfg),
@@ -156,11 +154,13 @@ class Trainer:
             (self.run_dir / "config.yaml").write_text(
                 yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False)
             )
+        if cfg.train.resume and (ckpt := latest_checkpoint(self.run_dir)) is not None:
+            self._resume(ckpt)
         print0(
             f"[miles] world {self.world_size} = dp {self.dims.dp} x sp {self.dims.sp} "
             f"(ulysses {self.dims.ulysses} x ring {self.dims.ring}); model {self.model.path} "
             f"({len(self.model.transformers)} expert(s), {self.model.num_attention_heads} heads); "
-            f"{self.num_tokens} tokens/sample ({self.num_tokens // self.dims.sp}+ per sp rank); "
+            f"{self.num_tokens} tokens/sample ({-(-self.num_tokens // self.dims.sp)} per sp rank); "
             f"attention backend {self.attention_backend or 'default'}; run dir {self.run_dir}"
         )
 
@@ -460,10 +460,13 @@ class Trainer:
                         ("ratio", out.ratio_mean),
                     ):
                         sums[key] += float(value.detach()) * weight
-            if not math.isfinite(sums["loss"]):
+            if not self._all_finite(sums["loss"]):
                 raise NonFiniteError(f"the loss is NaN or inf at step {self.step + 1}")
             _maybe_inject_fault(self.rank, self.step + 1)
             grad_norm = self._clip_grad_norm()
+            if not math.isfinite(grad_norm):  # the same on every rank: all stop together
+                self.optimizer.zero_grad(set_to_none=True)
+                raise NonFiniteError(f"the gradient norm is NaN or inf at step {self.step + 1}")
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.step += 1
@@ -494,6 +497,12 @@ class Trainer:
         finally:
             for t in self.model.transformers:
                 t.enable_adapters()
+
+    def _all_finite(self, value: float) -> bool:
+        """Whether ``value`` is finite on every rank (so that all ranks stop together)."""
+        flag = torch.tensor([0.0 if math.isfinite(value) else 1.0], device=self.device)
+        dist.all_reduce(flag)
+        return flag.item() == 0.0
 
     def _clip_grad_norm(self) -> float:
         params = [p for t in self.model.transformers for p in t.parameters() if p.grad is not None]
@@ -543,6 +552,7 @@ class Trainer:
         state = load_checkpoint(path, self.experts, self.optimizer)
         self.step, self.rollout_index = state["step"], state["rollout_index"]
         self.sampler.load_state_dict(state["sampler"])
+        self.logger.truncate_after(self.step)
         self._saved_step = self.step
         print0(
             f"[miles] resumed from {path} (step {self.step}, rollout {self.rollout_index}; saved at "

@@ -129,7 +129,7 @@ def test_state_round_trip():
 def test_invalid_arguments():
     with pytest.raises(ValueError, match="group_size"):
         GroupSampler(10, 1, 1, 0, 1)
-    with pytest.raises(ValueError, match="fewer than one step"):
+    with pytest.raises(ValueError, match="fewer than one rollout"):
         GroupSampler(5, 3, 2, 0, 2)
     with pytest.raises(ValueError, match="dp_rank"):
         GroupSampler(10, 1, 2, 2, 2)

@@ -1,0 +1,157 @@
+"""Export through the real launcher: the diffusers folders a run leaves under ``<run>/export``.
+
+Two 2-process torchrun runs of the tiny two-expert recipe, one rollout (2 optimizer steps) each:
+
+- full fine-tune at dp1 x sp2 (the experts carry the sequence-parallel install when gathered):
+  ``WanPipeline.from_pretrained(<run>/export/pipeline)`` loads, and both experts' weights equal the
+  final checkpoint's (``dcp_to_torch_save``: keys ``model.<expert>.<param>``, expert ``0`` is
+  ``transformer``, ``1`` is ``transformer_2``) bit for bit;
+- LoRA (``--model.lora-rank 4``, alpha 64: scale 16) at dp2: ``lora/transformer`` and
+  ``lora/transformer_2`` load with ``pipe.load_lora_weights`` (``load_into_transformer_2=True`` for
+  the second: diffusers' ``WanLoraLoaderMixin``) and hold the checkpoint's adapter weights;
+  ``merged/`` holds W + (alpha / r) B A of the checkpoint, and its transformer output equals the
+  base pipeline with the adapters loaded (fp32 tolerance, fixed random input).
+
+About 30 s on 2 cores.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / ".cache" / "tiny-wan" / "two_expert"
+EXPERTS = ("transformer", "transformer_2")
+LORA_RANK, LORA_ALPHA = 4, 64.0
+
+
+def _train(root: Path, name: str, *flags: str) -> Path:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    cmd += ["--max-restarts", "0", "train_grpo.py", "--config", "configs/tiny_cpu.yaml"]
+    cmd += ["--run.output-dir", str(root), "--run.name", name, "--run.wandb-mode", "disabled"]
+    cmd += ["--run.no-progress", "--train.num-rollouts", "1", "--model.tiny-model-dir", str(TINY.parent)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    env.pop("MILES_FAULT_KILL", None)
+    proc = subprocess.run(
+        [*cmd, *flags], cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"training run failed (rc {proc.returncode}):\n{out[-6000:]}"
+    assert "[miles] exported the trained model to" in out, out[-3000:]
+    return root / name
+
+
+def _final_checkpoint(run_dir: Path, tmp: Path) -> list[dict[str, torch.Tensor]]:
+    """Each expert's weights in the run's last checkpoint (``model.<i>.<name>`` in the DCP files)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    (ckpt,) = sorted((run_dir / "checkpoints").glob("step_*"))
+    dcp_to_torch_save(ckpt, tmp / "ckpt.pt")
+    model = torch.load(tmp / "ckpt.pt", weights_only=False)["model"]
+    experts = [{} for _ in EXPERTS]
+    for key, value in model.items():
+        index, name = key.split(".", 1)
+        experts[int(index)][name] = value
+    return experts
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("export")
+    full = _train(root, "full", "--sequence-parallel-size", "2", "--ulysses-degree", "2")
+    lora = _train(root, "lora", "--model.lora-rank", str(LORA_RANK), "--model.lora-alpha", str(LORA_ALPHA))
+    return {"full": full, "lora": lora}
+
+
+def _pipeline(path: Path):
+    from diffusers import WanPipeline
+
+    return WanPipeline.from_pretrained(path, local_files_only=True, torch_dtype=torch.float32)
+
+
+def _forward(transformer, seed: int = 0) -> torch.Tensor:
+    """The transformer on a fixed random latent (5 frames at 64x64) and text embedding."""
+    g = torch.Generator().manual_seed(seed)
+    latents = torch.randn(1, 16, 2, 8, 8, generator=g)
+    context = torch.randn(1, 16, transformer.config.text_dim, generator=g)
+    with torch.no_grad():
+        return transformer(latents, torch.tensor([500.0]), context, return_dict=False)[0]
+
+
+def test_full_export_loads_with_the_trained_weights(runs, tmp_path):
+    run_dir = runs["full"]
+    assert sorted(p.name for p in (run_dir / "export").iterdir()) == ["pipeline"]  # no .partial left
+    pipe = _pipeline(run_dir / "export" / "pipeline")
+    base = _pipeline(TINY)
+    trained = _final_checkpoint(run_dir, tmp_path)
+    for name, want in zip(EXPERTS, trained):
+        got = getattr(pipe, name).state_dict()
+        assert got.keys() == want.keys(), name
+        for key in want:
+            assert got[key].dtype == torch.float32 and torch.equal(got[key], want[key]), (name, key)
+        # Training moved the weights, so the comparison is not vacuous.
+        moved = [k for k, v in getattr(base, name).state_dict().items() if not torch.equal(v, want[k])]
+        assert moved, f"{name}: no weight changed in training"
+    # The frozen parts are the base model's.
+    for key, value in base.text_encoder.state_dict().items():
+        assert torch.equal(pipe.text_encoder.state_dict()[key], value), key
+
+
+def _lora_pipeline(run_dir: Path):
+    pipe = _pipeline(TINY)
+    for name in EXPERTS:
+        pipe.load_lora_weights(
+            run_dir / "export" / "lora" / name,
+            adapter_name="grpo",
+            load_into_transformer_2=name == "transformer_2",
+        )
+    return pipe
+
+
+def test_lora_export_holds_the_trained_adapters_and_merged_weights(runs, tmp_path):
+    run_dir = runs["lora"]
+    assert sorted(p.name for p in (run_dir / "export").iterdir()) == ["lora", "merged"]
+    pipe = _lora_pipeline(run_dir)
+    merged = _pipeline(run_dir / "export" / "merged")
+    trained = _final_checkpoint(run_dir, tmp_path)
+    scale = LORA_ALPHA / LORA_RANK
+    for name, want in zip(EXPERTS, trained):
+        # The adapters: the checkpoint's lora_A / lora_B, bit for bit.
+        loaded = getattr(pipe, name).state_dict()
+        adapters = {k: v for k, v in want.items() if ".lora_" in k}
+        assert adapters, f"{name}: the checkpoint has no LoRA weights"
+        for key, value in adapters.items():
+            assert torch.equal(loaded[key.replace(".default.", ".grpo.")], value), (name, key)
+        # merged/: W + (alpha / r) B A for every adapted module; every other weight unchanged.
+        merged_sd = getattr(merged, name).state_dict()
+        assert not any("lora" in k for k in merged_sd)
+        for key, value in want.items():
+            if ".lora_" in key:
+                continue
+            if ".base_layer." not in key:
+                assert torch.equal(merged_sd[key], value), (name, key)
+                continue
+            module, kind = key.split(".base_layer.")
+            expect = value
+            if kind == "weight":
+                a, b = want[f"{module}.lora_A.default.weight"], want[f"{module}.lora_B.default.weight"]
+                expect = value + scale * (b @ a)
+            torch.testing.assert_close(merged_sd[f"{module}.{kind}"], expect, rtol=1e-5, atol=1e-6)
+
+
+def test_lora_merged_output_equals_base_with_adapters_loaded(runs):
+    run_dir = runs["lora"]
+    pipe = _lora_pipeline(run_dir)
+    merged = _pipeline(run_dir / "export" / "merged")
+    for name in EXPERTS:
+        torch.testing.assert_close(
+            _forward(getattr(pipe, name)), _forward(getattr(merged, name)), rtol=1e-4, atol=1e-5
+        )

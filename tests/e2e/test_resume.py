@@ -1,0 +1,215 @@
+"""Resume through the real launcher: a SIGKILLed rank, auto-resume, bitwise equality; resume across layouts.
+
+Every run is ``torchrun --standalone --nproc-per-node 4 --max-restarts 0 train_grpo.py`` on the tiny
+recipe (``configs/tiny_cpu.yaml``) in deterministic mode, checkpointing after every rollout
+(``train.steps_per_rollout`` 2: checkpoints at steps 2, 4, 6). The module shares one uninterrupted
+dp4 run of 3 rollouts (6 optimizer steps) as the reference.
+
+- ``test_kill_mid_step_then_resume_is_bitwise_exact``: ``MILES_FAULT_KILL=1:5`` SIGKILLs rank 1 in
+  the middle of optimizer step 5 (rollout 2). The launch must fail promptly (torchrun tears the
+  other ranks down; no hang until the collective timeout), leave only complete checkpoints
+  (step 2, step 4), and the same command without the variable must resume from step 4 —
+  ignoring a stale ``.partial`` and a newer ``step_*`` folder without ``COMPLETE`` planted next
+  to them — and reach the reference's weights sha256 at step 6 and its metrics.jsonl rows
+  (last row per step; wall-clock, throughput and memory keys left out) bitwise.
+- ``test_resume_across_topologies``: the reference's dp4 step-6 checkpoint, copied, loads at
+  dp2 x sp2 (ulysses 2) and at dp1 x sp4 (ulysses 2 x ring 2) with the weights sha256 printed at
+  load equal to the one printed at save, and each continues one more rollout; the sp4 run's step-8
+  checkpoint then loads back at dp4 (same digest) and continues. The global batch stays 8 prompt
+  groups (prompts-per-rank 2 at dp4, 4 at dp2, 8 at dp1).
+
+About 3 minutes on 2 cores (6 launches).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[2]
+VOLATILE_PREFIXES = ("time/", "perf/", "memory/")
+SAVED = re.compile(r"\[miles\] checkpoint saved: (\S+) \(weights sha256 ([0-9a-f]{64})\)")
+RESUMED = re.compile(
+    r"\[miles\] resumed from (\S+) \(step (\d+), rollout (\d+); saved at dp (\d+) x sp (\d+), "
+    r"now dp (\d+) x sp (\d+)\) \(weights sha256 ([0-9a-f]{64})\)"
+)
+
+
+@dataclass
+class Launch:
+    returncode: int
+    output: str  # stdout + stderr
+    seconds: float
+    run_dir: Path
+
+    def saved(self) -> dict[int, str]:
+        """Step -> weights sha256 of every checkpoint this launch saved."""
+        return {int(Path(p).name.split("_")[1]): h for p, h in SAVED.findall(self.output)}
+
+    def resumed(self) -> re.Match | None:
+        return RESUMED.search(self.output)
+
+
+def launch(root: Path, name: str, *flags: str, env: dict | None = None, timeout: float = 400) -> Launch:
+    """One 4-process torchrun launch of train_grpo.py on the tiny recipe into ``root/name``."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
+    cmd += ["--max-restarts", "0", "train_grpo.py", "--config", "configs/tiny_cpu.yaml"]
+    cmd += ["--run.output-dir", str(root), "--run.name", name, "--run.wandb-mode", "disabled"]
+    cmd += ["--run.no-progress", "--deterministic-mode", "--train.weight-digest", "--train.no-export"]
+    cmd += ["--train.checkpoint-every", "1", "--train.steps-per-rollout", "2", *flags]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
+    if env is None or "MILES_FAULT_KILL" not in env:
+        full_env.pop("MILES_FAULT_KILL", None)
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout, check=False
+    )
+    return Launch(proc.returncode, proc.stdout + proc.stderr, time.monotonic() - t0, root / name)
+
+
+def _ok(run: Launch) -> None:
+    assert run.returncode == 0, f"launch failed (rc {run.returncode}):\n{run.output[-6000:]}"
+
+
+def last_rows(run_dir: Path) -> dict[int, dict]:
+    """The last metrics.jsonl row logged for each step, without wall-clock/throughput/memory keys."""
+    rows: dict[int, dict] = {}
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    steps = [json.loads(line)["step"] for line in lines]
+    assert steps == sorted(set(steps)), f"a resume must not leave duplicate rows: {steps}"
+    for line in lines:
+        row = json.loads(line)
+        rows[row["step"]] = {
+            k: v for k, v in row.items() if k != "time" and not k.startswith(VOLATILE_PREFIXES)
+        }
+    return rows
+
+
+def checkpoint_names(run_dir: Path) -> list[str]:
+    return sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Launch:
+    """The uninterrupted dp4 run: 3 rollouts, checkpoints at steps 2, 4, 6 (keeps all three)."""
+    root = tmp_path_factory.mktemp("resume")
+    run = launch(root, "reference", "--train.num-rollouts", "3", "--train.keep-checkpoints", "3")
+    _ok(run)
+    assert sorted(run.saved()) == [2, 4, 6], run.output[-3000:]
+    assert sorted(last_rows(run.run_dir)) == [1, 2, 3, 4, 5, 6]
+    return run
+
+
+def test_kill_mid_step_then_resume_is_bitwise_exact(reference):
+    root = reference.run_dir.parent
+    flags = ("--train.num-rollouts", "3", "--train.keep-checkpoints", "3")
+
+    crashed = launch(root, "killed", *flags, env={"MILES_FAULT_KILL": "1:5"})
+    assert crashed.returncode != 0, crashed.output[-3000:]
+    assert "SIGKILL" in crashed.output or "exitcode  : -9" in crashed.output, crashed.output[-3000:]
+    # The crash run does 5/6 of the reference's work; a hang would last collective_timeout_s (600 s).
+    assert crashed.seconds < reference.seconds + 90, (crashed.seconds, reference.seconds)
+    run_dir = crashed.run_dir
+    assert crashed.saved() == {2: reference.saved()[2], 4: reference.saved()[4]}
+    # Only complete checkpoints: no step_* without COMPLETE, no .partial left by the crash.
+    assert checkpoint_names(run_dir) == ["step_000002", "step_000004"]
+    assert all((run_dir / "checkpoints" / n / "COMPLETE").is_file() for n in checkpoint_names(run_dir))
+    assert sorted(last_rows(run_dir)) == [1, 2, 3, 4]  # step 5 died before it was logged
+
+    # Decoys newer than step 4: a stale .partial (even with a marker) and a step folder without one.
+    for decoy in ("step_000005", "step_000006.partial"):
+        (run_dir / "checkpoints" / decoy).mkdir()
+        (run_dir / "checkpoints" / decoy / ".metadata").write_bytes(b"not a DCP checkpoint")
+    (run_dir / "checkpoints" / "step_000006.partial" / "COMPLETE").write_text("6\n")
+
+    resumed = launch(root, "killed", *flags)
+    _ok(resumed)
+    match = resumed.resumed()
+    assert match is not None, resumed.output[-3000:]
+    assert Path(match[1]).name == "step_000004" and (match[2], match[3]) == ("4", "2")
+    assert match[8] == reference.saved()[4]  # the digest at load is the digest at save
+    assert resumed.saved() == {6: reference.saved()[6]}, "final weights differ from the uninterrupted run"
+
+    got, want = last_rows(run_dir), last_rows(reference.run_dir)
+    assert sorted(got) == sorted(want) == [1, 2, 3, 4, 5, 6]
+    for step in want:
+        assert got[step] == want[step], f"metrics of step {step} differ:\n{got[step]}\n{want[step]}"
+    # The stale .partial was cleaned by the next save; the unmarked folder was never taken as good.
+    names = checkpoint_names(run_dir)
+    assert "step_000006.partial" not in names and names[-1] == "step_000006", names
+    print(
+        f"reference {reference.seconds:.0f} s, killed launch {crashed.seconds:.0f} s, "
+        f"resumed launch {resumed.seconds:.0f} s; step-6 sha256 {reference.saved()[6][:16]}"
+    )
+
+
+def _copy_run(src: Path, dst: Path, step: int) -> None:
+    """A fresh run directory holding only ``src``'s step-``step`` checkpoint."""
+    name = f"step_{step:06d}"
+    shutil.copytree(src / "checkpoints" / name, dst / "checkpoints" / name)
+
+
+# (name, sequence_parallel_size, ulysses_degree, prompts_per_rank, expected (dp, sp)) at 4 processes
+LAYOUTS = [
+    ("dp2_sp2_u2", 2, 2, 4, (2, 2)),
+    ("dp1_sp4_u2r2", 4, 2, 8, (1, 4)),
+]
+
+
+def _layout_flags(sp: int, ulysses: int, prompts_per_rank: int, num_rollouts: int) -> list[str]:
+    return [
+        "--sequence-parallel-size",
+        str(sp),
+        "--ulysses-degree",
+        str(ulysses),
+        "--data.prompts-per-rank",
+        str(prompts_per_rank),
+        "--train.num-rollouts",
+        str(num_rollouts),
+    ]
+
+
+def _check_resumed(run: Launch, step: int, saved_at: tuple[int, int], now: tuple[int, int], digest: str):
+    _ok(run)
+    match = run.resumed()
+    assert match is not None, run.output[-3000:]
+    assert int(match[2]) == step and (int(match[4]), int(match[5])) == saved_at, match[0]
+    assert (int(match[6]), int(match[7])) == now, match[0]
+    assert match[8] == digest, f"weights changed on load: {match[8]} != {digest}"
+    # Training continued: one more rollout (two optimizer steps) logged and checkpointed.
+    rows = last_rows(run.run_dir)
+    assert sorted(rows) == [step + 1, step + 2], sorted(rows)
+    assert all(r["train/loss"] == r["train/loss"] for r in rows.values())  # not NaN
+    assert sorted(run.saved()) == [step + 2]
+
+
+def test_resume_across_topologies(reference, tmp_path):
+    digest = reference.saved()[6]
+    runs = {}
+    for name, sp, ulysses, ppr, now in LAYOUTS:
+        _copy_run(reference.run_dir, tmp_path / name, 6)
+        runs[name] = launch(tmp_path, name, *_layout_flags(sp, ulysses, ppr, 4))
+        _check_resumed(runs[name], 6, (4, 1), now, digest)
+
+    # ... and back: the sp4 run's step-8 checkpoint at dp4.
+    sp4 = runs["dp1_sp4_u2r2"]
+    _copy_run(sp4.run_dir, tmp_path / "back_to_dp4", 8)
+    back = launch(tmp_path, "back_to_dp4", *_layout_flags(1, 0, 2, 5))
+    _check_resumed(back, 8, (1, 4), (4, 1), sp4.saved()[8])
+    print(
+        "weights sha256: dp4 step 6 "
+        + digest[:16]
+        + "".join(f"; {n} step 8 {r.saved()[8][:16]}" for n, r in runs.items())
+        + f"; back at dp4 step 10 {back.saved()[10][:16]}"
+    )

@@ -1,0 +1,224 @@
+"""Bad input fails early, with a message that names the fix, and writes nothing.
+
+Through the real entry point (``python train_grpo.py``, one process, gloo), one case each:
+
+- config errors (unknown or mistyped key, wrong type, group size < 2, a batch that does not split
+  into micro-batches) exit with code 2 before torch.distributed starts;
+- errors found while building the trainer (a model path that is not a diffusers Wan folder, a
+  reward without its weights, an empty or malformed prompt file, fewer prompts than one rollout
+  needs) exit nonzero with the message, before the model is sharded or a rollout runs.
+
+Neither leaves a run directory behind. Then, in-process on one gloo rank (``run_distributed``), a
+NaN reward, a NaN loss and a NaN gradient each stop the run with ``NonFiniteError`` naming the
+step and the last good checkpoint, and no checkpoint is written after it.
+About 40 s on 2 cores.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.dist_utils import free_port, run_distributed
+
+REPO = Path(__file__).resolve().parents[2]
+TINY_DIR = REPO / ".cache" / "tiny-wan"
+
+
+def _train(tmp_path: Path, *flags: str, config: str | Path = "configs/tiny_cpu.yaml"):
+    """``python train_grpo.py`` into ``tmp_path/runs/bad``; returns (returncode, flattened output)."""
+    cmd = [sys.executable, "train_grpo.py", "--config", str(config), "--run.output-dir"]
+    cmd += [str(tmp_path / "runs"), "--run.name", "bad", "--run.wandb-mode", "disabled", "--run.no-progress"]
+    cmd += ["--model.tiny-model-dir", str(TINY_DIR), *flags]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "MASTER_PORT": str(free_port())}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120, check=False)
+    # tyro draws its errors in a box and wraps them: drop the frame, join the lines.
+    text = re.sub(r"[│╭╮╰╯─]+", " ", proc.stdout + proc.stderr)
+    return proc.returncode, " ".join(text.split())
+
+
+def _write(tmp_path: Path, name: str, text: str) -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+CONFIG_ERRORS = {
+    "unknown_key_in_file": (
+        "train:\n  learning_rat: 1.0e-4\n",
+        [],
+        ["unknown config key 'train.learning_rat'", "learning_rate"],
+    ),
+    "unknown_flag": (
+        None,
+        ["--train.learning-rat", "1e-4"],
+        ["--train.learning-rat", "--train.learning-rate"],
+    ),
+    "wrong_type_in_file": (
+        "train:\n  num_rollouts: two\n",
+        [],
+        ["train.num_rollouts: expected an integer, got str 'two'"],
+    ),
+    "wrong_type_flag": (None, ["--train.num-rollouts", "two"], ["--train.num-rollouts", "'two'"]),
+    "number_as_string": ("train:\n  learning_rate: 3e-5\n", [], ["write 3.0e-5"]),
+    "group_size_1": (None, ["--data.group-size", "1"], ["data.group_size must be >= 2"]),
+    "micro_batch_does_not_divide": (
+        None,
+        ["--train.micro-batch-size", "3"],
+        ["8 samples per rank", "train.micro_batch_size = 3"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CONFIG_ERRORS))
+def test_config_error_exits_2_naming_the_key(tmp_path, case):
+    recipe, flags, messages = CONFIG_ERRORS[case]
+    config = _write(tmp_path, "recipe.yaml", recipe) if recipe else "configs/tiny_cpu.yaml"
+    code, out = _train(tmp_path, *flags, config=config)
+    assert code == 2, out
+    for message in messages:
+        assert message in out, out
+    assert "Traceback" not in out
+    assert not (tmp_path / "runs").exists()
+
+
+def _trainer_error(tmp_path: Path, case: str) -> tuple[list[str], list[str]]:
+    """(flags, messages) of each error the trainer raises at construction."""
+    if case == "model_path_not_wan":
+        (tmp_path / "empty").mkdir()
+        return ["--model.path", str(tmp_path / "empty")], ["has no model_index.json", "-Diffusers"]
+    if case == "model_path_missing":
+        return ["--model.path", str(tmp_path / "nowhere")], ["is not a folder", "diffusers Wan folder"]
+    if case == "reward_weights_missing":
+        # A dict flag cannot add a key, so the recipe names the reward; no reward.pickscore_path.
+        recipe = _write(tmp_path, "pick.yaml", "reward:\n  weights: {pickscore: 1.0}\n")
+        return ["--config", str(recipe)], ["set reward.pickscore_path to a local folder"]
+    if case == "empty_prompt_file":
+        prompts = _write(tmp_path, "prompts.txt", "\n  \n")
+        return ["--data.prompt-file", str(prompts)], [f"{prompts}: no prompts in file"]
+    if case == "malformed_prompt_file":
+        prompts = _write(tmp_path, "prompts.jsonl", '{"prompt": "a cat"}\n{"prompt": \n')
+        return ["--data.prompt-file", str(prompts)], [f"{prompts}:2: not valid JSON"]
+    if case == "fewer_prompts_than_a_rollout":
+        prompts = _write(tmp_path, "prompts.txt", "a cat\na dog\n")
+        flags = ["--data.prompt-file", str(prompts), "--data.prompts-per-rank", "4"]
+        return flags, ["2 prompts are fewer than one rollout needs", "add prompts to data.prompt_file"]
+    raise AssertionError(case)
+
+
+TRAINER_ERRORS = [
+    "model_path_not_wan",
+    "model_path_missing",
+    "reward_weights_missing",
+    "empty_prompt_file",
+    "malformed_prompt_file",
+    "fewer_prompts_than_a_rollout",
+]
+
+
+@pytest.mark.parametrize("case", TRAINER_ERRORS)
+def test_trainer_error_exits_nonzero_before_any_rollout(tmp_path, case):
+    flags, messages = _trainer_error(tmp_path, case)
+    code, out = _train(tmp_path, *flags)  # a later --config replaces the default recipe
+    assert code != 0, out
+    for message in messages:
+        assert message in out, out
+    assert "[rollout" not in out and "checkpoint saved" not in out
+    assert not (tmp_path / "runs").exists(), "a failed start left a run directory"
+
+
+# ---------------------------------------------------------------------------------------------
+# NaN / inf during training: one gloo rank, the real Trainer, one thing made non-finite.
+
+
+def _config(out_dir: str):
+    from miles.config import parse_args
+
+    cfg, _ = parse_args(
+        ["--config", str(REPO / "configs" / "tiny_cpu.yaml"), "--run.output-dir", out_dir]
+        + ["--run.name", "nan", "--run.wandb-mode", "disabled", "--run.no-progress"]
+        + ["--model.tiny-model-dir", str(TINY_DIR), "--train.num-rollouts", "3"]
+        + ["--train.steps-per-rollout", "2", "--train.checkpoint-every", "1", "--train.no-export"]
+    )
+    return cfg
+
+
+def _nonfinite_body(rank, world_size, out_dir, where, bad_step, expect_step):
+    """Train with ``where`` made non-finite during optimizer step ``bad_step`` (1-based)."""
+    import torch
+
+    import miles.train.trainer as T
+
+    trainer = T.Trainer(_config(out_dir))
+    if where == "reward":
+        score = trainer.rewards
+
+        def rewards(videos, prompts):
+            combined, per_reward = score(videos, prompts)
+            if trainer.step + 1 == bad_step:
+                combined = combined.clone()
+                combined[0] = float("nan")
+            return combined, per_reward
+
+        trainer.rewards = rewards
+    elif where == "loss":
+        loss_fn = T.grpo_policy_loss
+
+        def loss(*args, **kwargs):
+            out = loss_fn(*args, **kwargs)
+            if trainer.step + 1 == bad_step:
+                out.loss = out.loss + float("inf")
+            return out
+
+        T.grpo_policy_loss = loss
+    elif where == "grad":
+        log_prob_fn = T.compute_log_prob
+
+        def log_prob(*args, **kwargs):
+            lp, mean, std = log_prob_fn(*args, **kwargs)
+            if trainer.step + 1 == bad_step and lp.requires_grad:
+                lp.register_hook(lambda g: g * float("nan"))  # the loss stays finite
+            return lp, mean, std
+
+        T.compute_log_prob = log_prob
+    try:
+        trainer.train()
+    except T.NonFiniteError as e:
+        message = str(e)
+    else:
+        raise AssertionError(f"a non-finite {where} at step {bad_step} did not stop the run")
+    finally:
+        trainer.close()
+    checkpoints = Path(out_dir) / "nan" / "checkpoints"
+    good = f"step_{2 * ((bad_step - 1) // 2):06d}"  # the last rollout boundary before bad_step
+    assert f"step {expect_step}" in message, message
+    assert str(checkpoints / good) in message, message
+    assert sorted(p.name for p in checkpoints.iterdir()) == [good], sorted(checkpoints.iterdir())
+    # The kept checkpoint is finite.
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(checkpoints / good, Path(out_dir) / "good.pt")
+    model = torch.load(Path(out_dir) / "good.pt", weights_only=False)["model"]
+    assert all(torch.isfinite(v).all() for v in model.values())
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "where, bad_step, expect_step",
+    [
+        ("reward", 3, 3),  # the rollout before optimizer step 3 scores a NaN
+        ("loss", 4, 4),  # the second step of rollout 1
+    ],
+)
+def test_nonfinite_stops_and_keeps_the_last_good_checkpoint(tmp_path, where, bad_step, expect_step):
+    run_distributed(_nonfinite_body, 1, str(tmp_path), where, bad_step, expect_step)
+
+
+@pytest.mark.distributed
+def test_nonfinite_gradient_is_not_checkpointed(tmp_path):
+    run_distributed(_nonfinite_body, 1, str(tmp_path), "grad", 4, 4)
