@@ -90,8 +90,8 @@ def resolve_model_path(cfg: ModelConfig) -> Path:
     return Path(cfg.path).expanduser()
 
 
-def check_wan_folder(path: Path) -> dict:
-    """Fail with a clear message unless ``path`` is a diffusers Wan folder; returns model_index."""
+def read_model_index(path: Path) -> dict:
+    """``model_index.json`` of a diffusers Wan folder; a clear error if ``path`` is not one."""
     index = path / "model_index.json"
     if not path.is_dir():
         raise ValueError(f"model.path {path} is not a folder; point it at a local diffusers Wan folder")
@@ -105,6 +105,12 @@ def check_wan_folder(path: Path) -> dict:
         raise ValueError(
             f"model.path {path} holds a {info.get('_class_name')}, not a Wan pipeline ({sorted(_WAN_PIPELINES)})"
         )
+    return info
+
+
+def check_wan_folder(path: Path) -> dict:
+    """Fail with a clear message unless ``path`` is a complete diffusers Wan folder; returns model_index."""
+    info = read_model_index(path)
     for sub in ("transformer", "vae", "text_encoder", "tokenizer"):
         if not (path / sub).is_dir():
             raise ValueError(f"model.path {path} lacks the '{sub}' folder of a diffusers Wan pipeline")

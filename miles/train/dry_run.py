@@ -65,7 +65,7 @@ import torch
 from torch import nn
 
 from miles.config import Config, ConfigError
-from miles.models.wan import _WAN_PIPELINES, DTYPES, WanModel, check_wan_folder, resolve_model_path
+from miles.models.wan import DTYPES, WanModel, check_wan_folder, read_model_index, resolve_model_path
 from miles.parallel.topology import ParallelDims, valid_ulysses_degrees
 from miles.parallel.topology_checks import check_ulysses_within_node, local_world_size_from_env
 
@@ -123,19 +123,10 @@ def _meta_text_encoder(index: dict, folder: Path) -> nn.Module | None:
 def _load_meta_model(cfg: Config) -> tuple[WanModel, dict, list[str]]:
     """A :class:`WanModel` whose transformers and VAE live on the meta device, plus extras and warnings."""
     path = resolve_model_path(cfg.model)
-    index_file = path / "model_index.json"
-    if not path.is_dir():
-        raise DryRunError(f"model.path {path} is not a folder; point it at a local diffusers Wan folder")
-    if not index_file.is_file():
-        raise DryRunError(
-            f"model.path {path} has no model_index.json: it is not a diffusers folder. Point model.path at a "
-            "diffusers Wan folder (e.g. Wan-AI/Wan2.1-T2V-1.3B-Diffusers)"
-        )
-    index = _read_json(index_file)
-    if index.get("_class_name") not in _WAN_PIPELINES:
-        raise DryRunError(
-            f"model.path {path} holds a {index.get('_class_name')}, not a Wan pipeline ({sorted(_WAN_PIPELINES)})"
-        )
+    try:
+        index = read_model_index(path)
+    except ValueError as e:
+        raise DryRunError(str(e)) from None
     warnings = []
     try:
         check_wan_folder(path)
