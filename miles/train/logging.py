@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -24,9 +25,13 @@ def rank() -> int:
     )
 
 
-def print0(*args, **kwargs) -> None:
+def print0(*args, sep: str = " ", file=None) -> None:
+    """Print on rank 0 only, above any progress bar."""
     if rank() == 0:
-        print(*args, **kwargs, flush=True)
+        from tqdm import tqdm
+
+        tqdm.write(sep.join(str(a) for a in args), file=file or sys.stdout)
+        (file or sys.stdout).flush()
 
 
 def _scalar(v):
