@@ -57,7 +57,7 @@ def _maybe_inject_fault(rank: int, step: int) -> None:
 
 
 class NonFiniteError(RuntimeError):
-    """A loss or reward that is NaN or inf: the run stops, keeping the last good checkpoint."""
+    """A reward, loss or gradient norm that is NaN or inf: the run stops, keeping the last good checkpoint."""
 
 
 def init_distributed(timeout_s: float) -> torch.device:
