@@ -71,8 +71,13 @@ def save_checkpoint(
     rank = dist.get_rank()
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
-        for stale in root.glob("*.partial"):
-            shutil.rmtree(stale, ignore_errors=True)
+        # Leftovers of an interrupted save: a .partial, or a step folder without its marker
+        # (a complete checkpoint gets its name only after COMPLETE is written).
+        for stale in root.iterdir():
+            if stale.name.endswith(".partial") or (
+                _NAME.match(stale.name) and not (stale / "COMPLETE").is_file()
+            ):
+                shutil.rmtree(stale, ignore_errors=True)
         if final.exists():
             shutil.rmtree(final)
     dist.barrier()

@@ -79,7 +79,13 @@ def launch(root: Path, name: str, *flags: str, env: dict | None = None, timeout:
 
 
 def _ok(run: Launch) -> None:
-    assert run.returncode == 0, f"launch failed (rc {run.returncode}):\n{run.output[-6000:]}"
+    if run.returncode != 0:
+        # torchrun's summary fills the tail; the failing rank's traceback sits earlier.
+        lines = run.output.splitlines()
+        starts = [i for i, line in enumerate(lines) if "Traceback" in line][:2]
+        excerpts = ["\n".join(lines[i : i + 40]) for i in starts]
+        detail = "\n...\n".join(excerpts) or run.output[-6000:]
+        raise AssertionError(f"launch failed (rc {run.returncode}):\n{detail}")
 
 
 def last_rows(run_dir: Path) -> dict[int, dict]:
@@ -145,9 +151,10 @@ def test_kill_mid_step_then_resume_is_bitwise_exact(reference):
     assert sorted(got) == sorted(want) == [1, 2, 3, 4, 5, 6]
     for step in want:
         assert got[step] == want[step], f"metrics of step {step} differ:\n{got[step]}\n{want[step]}"
-    # The stale .partial was cleaned by the next save; the unmarked folder was never taken as good.
+    # The next save removed both leftovers; the unmarked folder was never taken as good.
     names = checkpoint_names(run_dir)
     assert "step_000006.partial" not in names and names[-1] == "step_000006", names
+    assert "step_000005" not in names, "the unmarked folder is a leftover: the next save removes it"
     print(
         f"reference {reference.seconds:.0f} s, killed launch {crashed.seconds:.0f} s, "
         f"resumed launch {resumed.seconds:.0f} s; step-6 sha256 {reference.saved()[6][:16]}"
