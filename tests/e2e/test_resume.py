@@ -78,13 +78,38 @@ def launch(root: Path, name: str, *flags: str, env: dict | None = None, timeout:
     return Launch(proc.returncode, proc.stdout + proc.stderr, time.monotonic() - t0, root / name)
 
 
+def launch_ok(root: Path, name: str, *flags: str) -> Launch:
+    """A launch that must succeed. A rank that dies without a Python traceback (an infrequent
+    launcher-level failure of CPU torchrun under load, seen about once in 15 runs here and never
+    reproduced outside pytest) gets one retry from a restored copy of the run directory; any
+    failure with a traceback, and a second failure, fail the test."""
+    run_dir = root / name
+    backup = root / f".{name}.before"
+    shutil.rmtree(backup, ignore_errors=True)
+    if run_dir.exists():
+        shutil.copytree(run_dir, backup)
+    run = launch(root, name, *flags)
+    if run.returncode != 0 and not any("[rank" in ln and "Traceback" in ln for ln in run.output.splitlines()):
+        print(f"retrying {name} after a launcher-level failure:\n{run.output[-2000:]}")
+        shutil.rmtree(run_dir, ignore_errors=True)
+        if backup.exists():
+            shutil.copytree(backup, run_dir)
+        run = launch(root, name, *flags)
+    shutil.rmtree(backup, ignore_errors=True)
+    _ok(run)
+    return run
+
+
 def _ok(run: Launch) -> None:
     if run.returncode != 0:
         # torchrun's summary fills the tail; the failing rank's traceback sits earlier.
         lines = run.output.splitlines()
-        starts = [i for i, line in enumerate(lines) if "Traceback" in line][:2]
-        excerpts = ["\n".join(lines[i : i + 40]) for i in starts]
-        detail = "\n...\n".join(excerpts) or run.output[-6000:]
+        starts = [i for i, line in enumerate(lines) if "Traceback" in line and "[rank" in line]
+        excerpts = ["\n".join(lines[i : i + 60]) for i in starts[:2]]
+        errors = [line for line in lines if "Error" in line and "error_file" not in line]
+        root = [i for i, line in enumerate(lines) if "Root Cause" in line]
+        cause = ["\n".join(lines[root[0] : root[0] + 10])] if root else []
+        detail = "\n...\n".join(excerpts + errors[-20:] + cause) or run.output[-6000:]
         raise AssertionError(f"launch failed (rc {run.returncode}):\n{detail}")
 
 
@@ -110,8 +135,7 @@ def checkpoint_names(run_dir: Path) -> list[str]:
 def reference(tmp_path_factory) -> Launch:
     """The uninterrupted dp4 run: 3 rollouts, checkpoints at steps 2, 4, 6 (keeps all three)."""
     root = tmp_path_factory.mktemp("resume")
-    run = launch(root, "reference", "--train.num-rollouts", "3", "--train.keep-checkpoints", "3")
-    _ok(run)
+    run = launch_ok(root, "reference", "--train.num-rollouts", "3", "--train.keep-checkpoints", "3")
     assert sorted(run.saved()) == [2, 4, 6], run.output[-3000:]
     assert sorted(last_rows(run.run_dir)) == [1, 2, 3, 4, 5, 6]
     return run
@@ -139,8 +163,7 @@ def test_kill_mid_step_then_resume_is_bitwise_exact(reference):
         (run_dir / "checkpoints" / decoy / ".metadata").write_bytes(b"not a DCP checkpoint")
     (run_dir / "checkpoints" / "step_000006.partial" / "COMPLETE").write_text("6\n")
 
-    resumed = launch(root, "killed", *flags)
-    _ok(resumed)
+    resumed = launch_ok(root, "killed", *flags)
     match = resumed.resumed()
     assert match is not None, resumed.output[-3000:]
     assert Path(match[1]).name == "step_000004" and (match[2], match[3]) == ("4", "2")
@@ -206,13 +229,13 @@ def test_resume_across_topologies(reference, tmp_path):
     runs = {}
     for name, sp, ulysses, ppr, now in LAYOUTS:
         _copy_run(reference.run_dir, tmp_path / name, 6)
-        runs[name] = launch(tmp_path, name, *_layout_flags(sp, ulysses, ppr, 4))
+        runs[name] = launch_ok(tmp_path, name, *_layout_flags(sp, ulysses, ppr, 4))
         _check_resumed(runs[name], 6, (4, 1), now, digest)
 
     # ... and back: the sp4 run's step-8 checkpoint at dp4.
     sp4 = runs["dp1_sp4_u2r2"]
     _copy_run(sp4.run_dir, tmp_path / "back_to_dp4", 8)
-    back = launch(tmp_path, "back_to_dp4", *_layout_flags(1, 0, 2, 5))
+    back = launch_ok(tmp_path, "back_to_dp4", *_layout_flags(1, 0, 2, 5))
     _check_resumed(back, 8, (1, 4), (4, 1), sp4.saved()[8])
     print(
         "weights sha256: dp4 step 6 "
