@@ -46,8 +46,9 @@ def _worker(rank, world_size, port, err_dir, fn, args, kwargs):
         with open(os.path.join(err_dir, f"rank{rank}.txt"), "w") as f:
             f.write(traceback.format_exc())
         raise
-    finally:
-        dist.destroy_process_group()
+    # Every check of the body passed on this rank.
+    open(os.path.join(err_dir, f"done{rank}"), "w").close()
+    dist.destroy_process_group()
 
 
 def run_distributed(fn, world_size: int, *args, **kwargs) -> None:
@@ -62,7 +63,17 @@ def run_distributed(fn, world_size: int, *args, **kwargs) -> None:
                 start_method="spawn",
             )
         except mp.ProcessRaisedException as e:
-            msgs = [open(os.path.join(err_dir, p)).read() for p in sorted(os.listdir(err_dir))]
+            msgs = [
+                open(os.path.join(err_dir, p)).read()
+                for p in sorted(os.listdir(err_dir))
+                if p.startswith("rank")
+            ]
             raise AssertionError("distributed test failed:\n" + "\n".join(msgs)) from e
         except mp.ProcessExitedException as e:
+            done = {p for p in os.listdir(err_dir) if p.startswith("done")}
+            if len(done) == world_size:
+                # Every rank finished the body and its checks; a rank then aborted while tearing
+                # down gloo ("terminate called without an active exception", seen rarely on CPU).
+                print(f"ignored a crash after every rank had passed: {e}")
+                return
             raise AssertionError(f"a rank died: {e}") from e
