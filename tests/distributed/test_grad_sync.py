@@ -47,6 +47,7 @@ from miles.parallel.topology import ParallelDims, build_parallel_mesh
 from miles.sequence_parallel import apply_sequence_parallel
 from miles.sequence_parallel.attention import find_dispatch_module
 from tests.dist_utils import run_distributed
+from tests.models import TINY_WAN
 
 pytestmark = pytest.mark.distributed
 
@@ -70,18 +71,7 @@ def tiny_wan():
     """A 2-block tiny Wan T2V transformer, 4 heads x 16 (so Ulysses 4 divides the heads)."""
     from diffusers import WanTransformer3DModel
 
-    return WanTransformer3DModel(
-        patch_size=(1, 2, 2),
-        num_attention_heads=4,
-        attention_head_dim=16,
-        in_channels=4,
-        out_channels=4,
-        text_dim=32,
-        freq_dim=32,
-        ffn_dim=64,
-        num_layers=2,
-        rope_max_seq_len=64,
-    )
+    return WanTransformer3DModel(**TINY_WAN)
 
 
 def make_batch(seed: int, batch: int = GLOBAL_BATCH) -> tuple[dict, torch.Tensor]:

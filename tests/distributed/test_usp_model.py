@@ -31,6 +31,7 @@ from miles.parallel.topology import ParallelDims, build_parallel_mesh
 from miles.sequence_parallel import apply_sequence_parallel, sequence_parallel_plan
 from miles.sequence_parallel.attention import find_dispatch_module
 from tests.dist_utils import run_distributed
+from tests.models import TINY_WAN
 
 pytestmark = pytest.mark.distributed
 
@@ -41,18 +42,7 @@ GRAD_TOL = 5e-5
 def tiny_wan(variant: str):
     from diffusers import WanTransformer3DModel
 
-    config = dict(
-        patch_size=(1, 2, 2),
-        num_attention_heads=4,
-        attention_head_dim=16,
-        in_channels=4,
-        out_channels=4,
-        text_dim=32,
-        freq_dim=32,
-        ffn_dim=64,
-        num_layers=2,
-        rope_max_seq_len=64,
-    )
+    config = dict(TINY_WAN)
     if variant == "i2v":
         config.update(image_dim=24, added_kv_proj_dim=64)
     return WanTransformer3DModel(**config)

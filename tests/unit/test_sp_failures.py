@@ -31,24 +31,14 @@ from miles.sequence_parallel.attention import _USPDispatchConfig, find_dispatch_
 from miles.sequence_parallel.plan import GatherOutput, ShardInput, ShardOutput
 from miles.sequence_parallel.ring import _TEMPLATES_MODULE
 from miles.sequence_parallel.state import sequence_state
+from tests.models import TINY_WAN
 
 
 def tiny_wan(**overrides):
     from diffusers import WanTransformer3DModel
 
     torch.manual_seed(0)
-    config = dict(
-        patch_size=(1, 2, 2),
-        num_attention_heads=4,
-        attention_head_dim=16,
-        in_channels=4,
-        out_channels=4,
-        text_dim=32,
-        freq_dim=32,
-        ffn_dim=64,
-        num_layers=2,
-        rope_max_seq_len=64,
-    )
+    config = dict(TINY_WAN)
     config.update(overrides)
     return WanTransformer3DModel(**config)
 
