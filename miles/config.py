@@ -68,6 +68,9 @@ class ModelConfig:
     activation_memory_budget_gib: float = 40.0
     """With ``activation_checkpointing: budget``: the per-rank GPU memory for training (weights,
     gradients and optimizer state are subtracted; activations get the rest)."""
+    compile: Literal["auto", "on", "off"] = "auto"
+    """``torch.compile`` each transformer block (fuses Wan's fp32 norm/modulation/RoPE kernels; the
+    first step pays the compile time). ``auto``: on CUDA only."""
     lora_rank: int = 0
     """LoRA rank; 0 trains all parameters of the transformer(s)."""
     lora_alpha: float = 64.0

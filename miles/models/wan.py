@@ -149,10 +149,16 @@ def load_wan(cfg: ModelConfig, device: torch.device) -> WanModel:
 
 
 def calibrate_block_memory(
-    transformer: nn.Module, tokens: int, device: torch.device, batch: int = 2, dtype=torch.bfloat16
+    transformer: nn.Module,
+    tokens: int,
+    device: torch.device,
+    batch: int = 2,
+    dtype=torch.bfloat16,
+    compiled: bool = False,
 ) -> dict[str, float]:
     """Activation bytes one Wan block keeps for backward in each checkpointing mode, measured at
-    ``batch`` x ``tokens`` (training's CFG batch of 2 by default) on a bf16 copy of block 0."""
+    ``batch`` x ``tokens`` (training's CFG batch of 2 by default) on a bf16 copy of block 0,
+    compiled or eager as training will run it."""
     import copy
 
     from miles.parallel.checkpointing import measure_block_memory
@@ -169,7 +175,7 @@ def calibrate_block_memory(
         return hidden, context, temb, (rope, rope)
 
     try:
-        return measure_block_memory(block, make_inputs, device)
+        return measure_block_memory(block, make_inputs, device, compiled=compiled)
     finally:
         del block
         torch.cuda.empty_cache()

@@ -116,19 +116,29 @@ def apply_checkpointing(blocks: nn.ModuleList, modes: Sequence[str]) -> list[str
     return list(modes)
 
 
-def measure_block_memory(block: nn.Module, make_inputs, device: torch.device) -> dict[str, float]:
+def measure_block_memory(
+    block: nn.Module, make_inputs, device: torch.device, compiled: bool = False
+) -> dict[str, float]:
     """Activation bytes one block keeps for backward, per mode, measured on CUDA.
 
     ``make_inputs()`` returns the block's positional inputs (requiring grad where training
     would). Memory kept after forward minus before, with the block's params already resident.
+    ``compiled``: measure the block as :func:`miles.parallel.compile.compile_blocks` runs it
+    (Inductor saves fewer element-wise outputs than eager mode).
     """
+    from miles.parallel.compile import compiled as compile_fn
+
     out: dict[str, float] = {}
     for mode in MODES:
         wrapped = wrap_block(block, mode)
+        forward = compile_fn(wrapped.forward) if compiled else wrapped
         inputs = make_inputs()
+        if compiled:  # compile outside the measured window
+            forward(*make_inputs()).sum().backward()
+            block.zero_grad(set_to_none=True)
         torch.cuda.synchronize(device)
         before = torch.cuda.memory_allocated(device)
-        y = wrapped(*inputs)
+        y = forward(*inputs)
         torch.cuda.synchronize(device)
         out[mode] = float(torch.cuda.memory_allocated(device) - before - y.numel() * y.element_size())
         del y, inputs

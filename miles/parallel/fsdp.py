@@ -1,7 +1,7 @@
 """FSDP2 wrapping of a Wan transformer over the flattened dp x sp mesh.
 
-Order (in place, after SP is installed): activation checkpointing per block → ``fully_shard`` per block →
-``fully_shard`` on the root. FSDP keeps its default gradient mean over all dp·sp ranks; with
+Order (in place, after SP is installed): activation checkpointing per block → ``torch.compile`` per
+block (optional) → ``fully_shard`` per block → ``fully_shard`` on the root. FSDP keeps its default gradient mean over all dp·sp ranks; with
 the SP gather's backward summing over sp, that mean is exactly (1/dp)·Σ_dp g (see
 docs/sequence_parallel.md). The same function wraps the model in the trainer and in the
 grad-sync parity tests.
@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from miles.parallel.checkpointing import apply_checkpointing
+from miles.parallel.compile import compile_blocks as _compile_blocks
 
 
 def apply_fsdp(
@@ -28,14 +29,18 @@ def apply_fsdp(
     reduce_dtype: torch.dtype | None = torch.float32,
     reshard_after_forward: bool = True,
     checkpoint_modes: Sequence[str] | None = None,
+    compile_blocks: bool = False,
 ) -> nn.Module:
     """Shard ``model`` (a WanTransformer3DModel, possibly SP-installed) in place over ``mesh``.
 
     ``checkpoint_modes``: one activation-checkpointing mode per block (``none``, ``selective``,
     ``attention``, ``full``; see :mod:`miles.parallel.checkpointing`), applied before sharding.
+    ``compile_blocks``: compile each (wrapped) block's forward (see :mod:`miles.parallel.compile`).
     """
     if checkpoint_modes is not None:
         apply_checkpointing(model.blocks, checkpoint_modes)
+    if compile_blocks:
+        _compile_blocks(model.blocks)
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for block in model.blocks:
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)

@@ -32,6 +32,7 @@ from miles.grpo.advantages import group_advantages
 from miles.grpo.losses import grpo_policy_loss
 from miles.models.wan import DTYPES, WanModel, calibrate_block_memory, load_wan
 from miles.parallel.checkpointing import checkpoint_modes, fixed_training_bytes
+from miles.parallel.compile import resolve_compile
 from miles.parallel.fsdp import apply_fsdp, unsharded_for_rollout
 from miles.parallel.topology import ParallelDims, build_parallel_mesh, resolve_ulysses_degree
 from miles.parallel.topology_checks import check_ulysses_within_node, local_world_size_from_env
@@ -126,8 +127,11 @@ class Trainer:
         )
         # fp32 master weights; FSDP2 casts to the compute dtype (None: compute in fp32).
         self.compute_dtype = None if cfg.model.dtype == "float32" else DTYPES[cfg.model.dtype]
+        self.compile_blocks = resolve_compile(cfg.model.compile, self.device)
         self.num_tokens = self.model.num_tokens(cfg.rollout.num_frames, cfg.rollout.height, cfg.rollout.width)
         self._parallelize()
+        if self.compile_blocks:
+            print0("[miles] torch.compile per block: the first rollout and train step include compile time")
         params = [p for t in self.model.transformers for p in t.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             params,
@@ -198,6 +202,7 @@ class Trainer:
             self.device,
             batch=2 * self.cfg.train.micro_batch_size,  # CFG doubles the batch
             dtype=self.compute_dtype or torch.float32,
+            compiled=self.compile_blocks,
         )
         experts = self.model.transformers
         num_params = sum(p.numel() for t in experts for p in t.parameters())
@@ -257,13 +262,16 @@ class Trainer:
                 reduce_dtype=torch.float32,
                 reshard_after_forward=cfg.parallel.reshard_after_forward,
                 checkpoint_modes=self._checkpoint_modes(transformer),
+                compile_blocks=self.compile_blocks,
             )
             self.model.transformers[i] = transformer
         for ref in self.reference or []:
             if self.attention_backend is not None:
                 ref.set_attention_backend(self.attention_backend)
             self._install_sp(ref)
-            apply_fsdp(ref, self.mesh.fsdp_mesh, param_dtype=self.compute_dtype)
+            apply_fsdp(
+                ref, self.mesh.fsdp_mesh, param_dtype=self.compute_dtype, compile_blocks=self.compile_blocks
+            )
 
     # ------------------------------------------------------------------------------------------
     # one iteration
