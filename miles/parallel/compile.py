@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 import torch._dynamo
+import torch._inductor.config
 from torch import nn
 
 # Graphs per block code object: train and no-grad (rollout), per checkpointing mode, per shape.
@@ -30,6 +31,11 @@ def compiled(fn):
         if hasattr(torch._dynamo.config, name):
             setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), _RECOMPILE_LIMIT))
             break
+    # Round every intermediate that eager mode would round to bf16, where eager rounds it, so that
+    # a value does not depend on whether Inductor fused its consumer into the same kernel: the
+    # rollout's no-grad graph and training's graph (which saves some values for backward) must
+    # give the same log-probabilities bit for bit (a first optimizer step with ratio exactly 1).
+    torch._inductor.config.emulate_precision_casts = True
     return torch.compile(fn, dynamic=False)
 
 
