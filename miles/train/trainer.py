@@ -379,13 +379,35 @@ class Trainer:
         return [r.guidance_scale, g2][: len(self.model.transformers)]
 
     def score(self, batch: dict) -> dict:
-        """Decode, reward, and group-normalise; rewards are gathered over dp for global statistics."""
-        with torch.no_grad():
-            videos = torch.cat([self.model.decode(c["rollout"].final_latents) for c in batch["chunks"]])
-        combined, per_reward = self.rewards(videos, batch["prompts"])
-        stacked = torch.stack([combined, *per_reward.values()])  # (1 + R, B)
-        gathered = [torch.empty_like(stacked) for _ in range(self.mesh.dp_size)]
-        dist.all_gather(gathered, stacked.contiguous(), group=self.mesh.dp_group)
+        """Decode and reward this rank's share of the micro-batches, then group-normalise.
+
+        sp peers hold the same samples, so each decodes and scores only every sp-th micro-batch
+        (the VAE decode is most of the cost) and a sum over the sp group — every sample has
+        exactly one non-zero contributor, so the sum is exact — gives every peer all the rewards.
+        Rewards are scored per micro-batch, the same composition in every layout, and gathered
+        over dp for the group statistics.
+        """
+        sp, sp_rank = self.mesh.sp_size, self.mesh.sp_rank
+        n = batch["group_ids"].numel()
+        local = torch.zeros(1 + len(self.rewards.names), n, device=self.device)
+        videos, video_prompts, video_rewards = [], [], []
+        for c, chunk in enumerate(batch["chunks"]):
+            if c % sp != sp_rank:
+                continue
+            sl = chunk["slice"]
+            with torch.no_grad():
+                video = self.model.decode(chunk["rollout"].final_latents)
+            combined, per_reward = self.rewards(video, batch["prompts"][sl])
+            local[:, sl] = torch.stack([combined, *(per_reward[k] for k in self.rewards.names)]).to(
+                self.device
+            )
+            videos.append(video)
+            video_prompts += batch["prompts"][sl]
+            video_rewards += combined.tolist()
+        if sp > 1:
+            dist.all_reduce(local, group=self.mesh.sp_group)
+        gathered = [torch.empty_like(local) for _ in range(self.mesh.dp_size)]
+        dist.all_gather(gathered, local, group=self.mesh.dp_group)
         everything = torch.cat(gathered, dim=1)
         local_ids = batch["group_ids"].to(self.device)  # NCCL gathers device tensors only
         ids = [torch.empty_like(local_ids) for _ in range(self.mesh.dp_size)]
@@ -399,11 +421,12 @@ class Trainer:
         )
         mine = slice(self.mesh.dp_rank * n, (self.mesh.dp_rank + 1) * n)
         batch.update(
-            videos=videos,
-            rewards=combined,
+            videos=torch.cat(videos) if videos else None,  # the micro-batches this rank decoded
+            video_prompts=video_prompts,
+            video_rewards=video_rewards,
             advantages=advantages[mine].to(self.device),
             reward_all=everything[0],
-            per_reward_all={name: everything[1 + i] for i, name in enumerate(per_reward)},
+            per_reward_all={name: everything[1 + i] for i, name in enumerate(self.rewards.names)},
             advantages_all=advantages,
         )
         if not torch.isfinite(everything).all():
@@ -651,9 +674,10 @@ class Trainer:
             f"step_time={t_train / len(step_stats):.2f}s"
         )
         every = cfg.run.log_video_every
-        if every and self.rank == 0 and self.rollout_index % every == 0:
+        if every and self.rank == 0 and self.rollout_index % every == 0 and batch["videos"] is not None:
+            # rank 0's decoded samples: with sp > 1, every sp-th micro-batch of its dp rank
             self.logger.log_videos(
-                batch["videos"], batch["prompts"], batch["rewards"].tolist(), step=self.step
+                batch["videos"], batch["video_prompts"], batch["video_rewards"], step=self.step
             )
 
     def close(self) -> None:
