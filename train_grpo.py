@@ -62,4 +62,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Leave without interpreter finalization. Objects that outlive destroy_process_group (the
+    # device mesh, FSDP state) keep gloo's process groups alive, and their worker threads can then
+    # free tensors while the interpreter is being torn down: a rare "terminate called without an
+    # active exception" (SIGABRT) after a finished run, which torchrun reports as a failure
+    # (pytorch/pytorch#179291). Everything was written and closed by now.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import tempfile
 import traceback
 
@@ -49,6 +50,11 @@ def _worker(rank, world_size, port, err_dir, fn, args, kwargs):
     # Every check of the body passed on this rank.
     open(os.path.join(err_dir, f"done{rank}"), "w").close()
     dist.destroy_process_group()
+    # As train_grpo.py does: skip interpreter finalization, where gloo's worker threads can abort
+    # the process (pytorch/pytorch#179291).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_distributed(fn, world_size: int, *args, **kwargs) -> None:
