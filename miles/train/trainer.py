@@ -2,7 +2,8 @@
 
 One rollout batch per iteration: every dp rank samples ``prompts_per_rank`` prompt groups
 of ``group_size`` samples (its sp peers sample the very same ones, with the same noise),
-decodes and scores them, normalises rewards within each prompt group, then takes
+decodes and scores them (the sp peers split that work by micro-batch), normalises rewards
+within each prompt group, then takes
 ``steps_per_rollout`` optimizer steps over the batch. Each optimizer step recomputes the
 log-probability of every stored SDE step with the current policy and accumulates the
 gradient of the clipped-ratio loss over those steps (Flow-GRPO).
