@@ -28,7 +28,9 @@ LoRA adapters), N_root / N_block = parameters outside the blocks / of the larges
 - reference    N·b / W                      frozen initial weights (KL with a full fine-tune)
 - activations  L·B·T·a(mode)                by ``model.activation_checkpointing``, where a is the
                bytes one block keeps per token for backward:
-                 none       a = (52 + 9·b)·D + 2·F·b
+                 none       a = (52 + 9·b)·D + 2·F·b; compiled blocks (``model.compile``):
+                            a = 18·b·D + 2·F·b (measured on an H200 at the 1.3B and 5B shapes:
+                            36.2·D + 4·F bytes a token in bf16, eager 54·D + 4·F)
                  selective  a = (9.3·D + F)·b     (+ one block's "none" while it recomputes)
                  full       a = D·b               (the block input; + one block's "none")
                  budget     per block, from those, as ``plan_modes`` would pick them
@@ -66,6 +68,7 @@ from torch import nn
 
 from miles.config import Config, ConfigError
 from miles.models.wan import DTYPES, WanModel, check_wan_folder, read_model_index, resolve_model_path
+from miles.parallel.compile import resolve_compile
 from miles.parallel.topology import ParallelDims, valid_ulysses_degrees
 from miles.parallel.topology_checks import check_ulysses_within_node, local_world_size_from_env
 
@@ -205,22 +208,25 @@ def _sp_plan_rows(transformer: nn.Module) -> list[dict]:
     return rows
 
 
-def _block_bytes_per_token(D: int, F: int, b: int) -> dict[str, float]:
+def _block_bytes_per_token(D: int, F: int, b: int, compiled: bool = False) -> dict[str, float]:
     """Bytes one Wan block keeps for backward per token, per checkpointing mode (see the module docstring)."""
     return {
-        "none": (52 + 9 * b) * D + 2 * F * b,
+        # compiled: Inductor recomputes the fp32 element-wise outputs instead of saving them
+        "none": (18 * b * D if compiled else (52 + 9 * b) * D) + 2 * F * b,
         "selective": (9.3 * D + F) * b,
         "attention": 3 * D * b,  # self/cross attention outputs and the block input
         "full": D * b,
     }
 
 
-def _activation_bytes(cfg: Config, *, L: int, tokens: int, D: int, F: int, b: int) -> tuple[float, str]:
+def _activation_bytes(
+    cfg: Config, *, L: int, tokens: int, D: int, F: int, b: int, compiled: bool = False
+) -> tuple[float, str]:
     """Training activations of one expert's forward over ``tokens`` (micro batch x CFG x T), and a note."""
     mode = cfg.model.activation_checkpointing
     if isinstance(mode, bool):  # older configs: a switch for full checkpointing
         mode = "full" if mode else "none"
-    per_block = {k: v * tokens for k, v in _block_bytes_per_token(D, F, b).items()}
+    per_block = {k: v * tokens for k, v in _block_bytes_per_token(D, F, b, compiled).items()}
     if mode == "budget":
         from miles.parallel.checkpointing import plan_modes
 
@@ -397,7 +403,9 @@ def dry_run(
         in_flight = (max(roots) + 2 * max(blocks)) * b
     else:
         in_flight = max(per_expert) * b
-    activations, ac_note = _activation_bytes(cfg, L=L, tokens=B * T, D=D, F=F, b=b)
+    compiled = resolve_compile(cfg.model.compile, torch.device(device_type))
+    activations, ac_note = _activation_bytes(cfg, L=L, tokens=B * T, D=D, F=F, b=b, compiled=compiled)
+    ac_note += ", compiled" if compiled else ", eager"
     latent_numel = math.prod(latent_shape)
     buffers = 2 * samples * num_sde_steps * latent_numel * 4 + 2 * samples * cfg.data.max_sequence_length * (
         tcfg.text_dim * b

@@ -294,6 +294,10 @@ def test_real_wan21_shape_from_configs_only(tmp_path):
         )
         acts[mode] = rep_mode["memory_gib"]["activations"]
     assert acts["none"] > acts["selective"] > acts["full"]
+    # Compiled blocks (auto: on for the CUDA target) keep less without checkpointing than eager ones.
+    eager = _plan([*argv, "--model.activation-checkpointing", "none", "--model.compile", "off"])["memory_gib"]
+    D, F = 1536, 8960
+    assert acts["none"] / eager["activations"] == pytest.approx((36 * D + 4 * F) / (70 * D + 4 * F))
     assert acts["full"] < acts["budget"] <= 20 + acts["none"] / 30  # + one block recomputing
     # A budget that even full checkpointing cannot meet is refused, as the trainer would.
     with pytest.raises(DryRunError, match="even with every block fully checkpointed"):
