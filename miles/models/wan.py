@@ -132,7 +132,7 @@ def load_wan(cfg: ModelConfig, device: torch.device) -> WanModel:
         "vae": DTYPES[cfg.vae_dtype],
         "default": torch.float32,
     }
-    pipe = WanPipeline.from_pretrained(path, local_files_only=True, torch_dtype=dtypes)
+    pipe = WanPipeline.from_pretrained(path, local_files_only=True, dtype=dtypes)
     pipe.set_progress_bar_config(disable=True)
     pipe.text_encoder.to(device).requires_grad_(False).eval()
     pipe.vae.to(device).requires_grad_(False).eval()

@@ -51,7 +51,7 @@ def _write(cfg: Config, model_path: Path, states: list[dict], out_dir: Path) -> 
     tmp = out_dir.with_name(out_dir.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    pipe = WanPipeline.from_pretrained(model_path, local_files_only=True, torch_dtype=torch.float32)
+    pipe = WanPipeline.from_pretrained(model_path, local_files_only=True, dtype=torch.float32)
     for name, state in zip(EXPERT_NAMES, states):
         transformer = getattr(pipe, name)
         if cfg.model.lora_rank > 0:

@@ -18,6 +18,7 @@ import os
 import resource
 import signal
 import time
+import warnings
 from datetime import timedelta
 from pathlib import Path
 
@@ -129,6 +130,11 @@ class Trainer:
         # fp32 master weights; FSDP2 casts to the compute dtype (None: compute in fp32).
         self.compute_dtype = None if cfg.model.dtype == "float32" else DTYPES[cfg.model.dtype]
         self.compile_blocks = resolve_compile(cfg.model.compile, self.device)
+        # torch >= 2.12 warns on every rank that the transformer's output is a view (an in-place
+        # op on it would skip FSDP2's pre-backward hook). The trainer never modifies it in place.
+        warnings.filterwarnings(
+            "ignore", message=r"FSDP2-wrapped module \(FSDPWanTransformer3DModel\) returned a view"
+        )
         self.num_tokens = self.model.num_tokens(cfg.rollout.num_frames, cfg.rollout.height, cfg.rollout.width)
         self._parallelize()
         if self.compile_blocks:

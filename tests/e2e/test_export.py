@@ -74,7 +74,7 @@ def runs(tmp_path_factory):
 def _pipeline(path: Path):
     from diffusers import WanPipeline
 
-    return WanPipeline.from_pretrained(path, local_files_only=True, torch_dtype=torch.float32)
+    return WanPipeline.from_pretrained(path, local_files_only=True, dtype=torch.float32)
 
 
 def _forward(transformer, seed: int = 0) -> torch.Tensor:
