@@ -92,7 +92,8 @@ class ParallelConfig:
     """diffusers attention backend (``_native_cudnn``, ``_native_flash``, ``native``...). Also picks
     the ring kernel when ring > 1. None: cudnn on CUDA where available, else the native default."""
     deterministic_mode: Annotated[bool, _NO_PREFIX] = False
-    """torch.use_deterministic_algorithms(True): double runs give bitwise identical results."""
+    """torch.use_deterministic_algorithms(True) (and Inductor's deterministic mode for compiled
+    blocks): double runs give bitwise identical results."""
     reshard_after_forward: bool = True
     """FSDP2: free the gathered parameters after each block's forward (ZeRO-3)."""
     rollout_unsharded: bool = True

@@ -101,6 +101,11 @@ class Trainer:
         if cfg.parallel.deterministic_mode:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True, warn_only=False)
+            # Compiled blocks: no kernel choice by on-device timing, which can differ run to run.
+            import torch._inductor.config as inductor_config
+
+            if hasattr(inductor_config, "deterministic"):
+                inductor_config.deterministic = True
         torch.manual_seed(cfg.run.seed)
 
         self.run_dir = Path(cfg.run.output_dir) / cfg.run.name
