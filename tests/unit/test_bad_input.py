@@ -165,6 +165,7 @@ def _nonfinite_body(rank, world_size, out_dir, where, bad_step, expect_step):
                 combined[0] = float("nan")
             return combined, per_reward
 
+        rewards.names = score.names
         trainer.rewards = rewards
     elif where == "loss":
         loss_fn = T.grpo_policy_loss
