@@ -1,9 +1,9 @@
 """FSDP2 wrapping of a Wan transformer over the flattened dp x sp mesh.
 
 Order (in place, after SP is installed): activation checkpointing per block → ``torch.compile`` per
-block (optional) → ``fully_shard`` per block → ``fully_shard`` on the root. FSDP keeps its default gradient mean over all dp·sp ranks; with
-the SP gather's backward summing over sp, that mean is exactly (1/dp)·Σ_dp g (see
-docs/sequence_parallel.md). The same function wraps the model in the trainer and in the
+block (optional) → ``fully_shard`` per block → ``fully_shard`` on the root. FSDP keeps its
+default gradient mean over all dp·sp ranks; with the SP gather's backward summing over sp, that
+mean is exactly (1/dp)·Σ_dp g (see docs/sequence_parallel.md). The same function wraps the model in the trainer and in the
 grad-sync parity tests.
 """
 
