@@ -5,6 +5,17 @@ block (optional) → ``fully_shard`` per block → ``fully_shard`` on the root. 
 default gradient mean over all dp·sp ranks; with the SP gather's backward summing over sp, that
 mean is exactly (1/dp)·Σ_dp g (see docs/sequence_parallel.md). The same function wraps the model in the trainer and in the
 grad-sync parity tests.
+
+Mixed precision keeps every forward input as the caller passes it (``cast_forward_inputs=False``):
+FSDP2's default would cast all floating inputs to the compute dtype, and so round the fp32
+timestep to bf16 before Wan's sinusoidal embedding (values 4 apart in [512, 1024)) and the fp32
+RoPE tables before the blocks. The caller casts latents and text embeddings to the compute dtype,
+as ``WanPipeline`` does (:func:`compute_dtype` tells which). Outside the blocks, the parameters
+diffusers keeps in fp32 (``_keep_in_fp32_modules``: Wan's ``time_embedder`` and output
+``scale_shift_table``) stay fp32 as ``from_pretrained(dtype=bf16)`` keeps them: the root unit holds
+them in fp32 and every other root-level submodule is a unit of its own in the compute dtype.
+Inside a block, one unit gathers in one dtype, so the block's fp32-kept ``scale_shift_table`` and
+``norm2`` are computed from their bf16 cast (docs/validation.md gives the size of that difference).
 """
 
 from __future__ import annotations
@@ -41,11 +52,41 @@ def apply_fsdp(
         apply_checkpointing(model.blocks, checkpoint_modes)
     if compile_blocks:
         _compile_blocks(model.blocks)
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
+    root_mp = mp
+    keep = set(getattr(model, "_keep_in_fp32_modules", None) or [])
+    if keep and param_dtype is not None and param_dtype != torch.float32:
+        # The root unit keeps the fp32 parameters; the rest of the root computes in param_dtype.
+        root_mp = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
+        for module in _compute_dtype_units(model, keep, skip=model.blocks):
+            fully_shard(module, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     for block in model.blocks:
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=root_mp, reshard_after_forward=reshard_after_forward)
+    model._miles_compute_dtype = param_dtype or next(model.parameters()).dtype
     return model
+
+
+def compute_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype ``model`` computes in: FSDP2's parameter dtype after :func:`apply_fsdp`, else its
+    parameters' dtype. Latents and text embeddings enter the model in it; the timestep stays fp32."""
+    dtype = getattr(model, "_miles_compute_dtype", None) or getattr(model, "dtype", None)
+    return dtype if isinstance(dtype, torch.dtype) else next(model.parameters()).dtype
+
+
+def _compute_dtype_units(module: nn.Module, keep: set[str], skip: nn.Module) -> list[nn.Module]:
+    """The largest submodules of ``module`` (``skip`` aside) that own parameters and hold none that
+    diffusers keeps in fp32: a parameter or module named in ``keep`` stays with the root."""
+
+    def holds_kept(m: nn.Module) -> bool:
+        return any(part in keep for name, _ in m.named_parameters() for part in name.split("."))
+
+    units = []
+    for name, child in module.named_children():
+        if child is skip or name in keep or not any(True for _ in child.parameters()):
+            continue
+        units += _compute_dtype_units(child, keep, skip) if holds_kept(child) else [child]
+    return units
 
 
 def _fsdp_modules(model: nn.Module) -> list[FSDPModule]:

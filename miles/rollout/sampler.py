@@ -35,6 +35,7 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor, nn
 
+from miles.parallel.fsdp import compute_dtype
 from miles.rollout.sde import ode_step, sde_step_with_logprob
 
 NUM_TRAIN_TIMESTEPS = 1000
@@ -112,11 +113,6 @@ def cfg_combine(v_cond: Tensor, v_uncond: Tensor, guidance_scale: float) -> Tens
     return v_uncond + guidance_scale * (v_cond - v_uncond)
 
 
-def _model_dtype(model: nn.Module) -> torch.dtype:
-    dtype = getattr(model, "dtype", None)
-    return dtype if isinstance(dtype, torch.dtype) else next(model.parameters()).dtype
-
-
 def _guidance_per_expert(guidance_scales: float | Sequence[float], num_experts: int) -> list[float]:
     scales = [float(guidance_scales)] if isinstance(guidance_scales, int | float) else list(guidance_scales)
     if len(scales) == 1:
@@ -145,9 +141,12 @@ def predict_velocity(
     scale = _guidance_per_expert(guidance_scales, len(transformers))[idx]
     use_cfg = negative_embeds is not None and scale > 1.0
 
+    # Inputs as WanPipeline passes them: latents and text embeddings in the compute dtype, the
+    # timestep in fp32 (the model's sinusoidal embedding must see it unrounded).
     batch = latents.shape[0]
-    x = latents.to(_model_dtype(model))
-    context = prompt_embeds
+    dtype = compute_dtype(model)
+    x = latents.to(dtype)
+    context = prompt_embeds.to(dtype)
     if use_cfg:
         if negative_embeds.shape[0] == 1:
             negative_embeds = negative_embeds.expand(batch, *negative_embeds.shape[1:])
@@ -157,7 +156,7 @@ def predict_velocity(
                 f"{tuple(prompt_embeds.shape)} (pad both to the same text length) for batched CFG"
             )
         x = torch.cat([x, x])  # (2B, C, F, H, W): [cond; uncond]
-        context = torch.cat([prompt_embeds, negative_embeds.to(prompt_embeds.dtype)])
+        context = torch.cat([context, negative_embeds.to(dtype)])
     timestep = t.to(latents.device, torch.float32).expand(x.shape[0])
     if expand_timesteps:
         pt, ph, pw = model.config.patch_size

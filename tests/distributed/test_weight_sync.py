@@ -56,6 +56,14 @@ def checksum(t: torch.Tensor) -> str:
     return h.hexdigest()
 
 
+CAST = ("hidden_states", "encoder_hidden_states")
+
+
+def _kept_fp32(model, name: str) -> bool:
+    """Outside the blocks, a parameter diffusers keeps in fp32 (``_keep_in_fp32_modules``)."""
+    return not name.startswith("blocks.") and bool(set(name.split(".")) & set(model._keep_in_fp32_modules))
+
+
 def _forward(model, inputs: dict) -> torch.Tensor:
     with torch.no_grad():
         return model(**inputs, return_dict=False)[0].clone()
@@ -72,6 +80,12 @@ def _weight_sync_body(rank: int, world_size: int, seed: int) -> None:
         dims, mesh, model, handle = build_layout(base, world_size, sp, ulysses, param_dtype)
         local_inputs, local_target = local_slice(inputs, target, mesh.dp_rank, dims.dp)
         local_probe, _ = local_slice(probe, target, mesh.dp_rank, dims.dp)
+        compute_dtype = param_dtype or torch.float32
+        # As the trainer passes them: latents and text in the compute dtype, the timestep as is.
+        local_inputs, local_probe = (
+            {k: v.to(compute_dtype) if k in CAST else v for k, v in d.items()}
+            for d in (local_inputs, local_probe)
+        )
         out = model(**local_inputs, return_dict=False)[0]
         F.mse_loss(out.float(), local_target).backward()
         make_optimizer(model.parameters()).step()
@@ -79,8 +93,9 @@ def _weight_sync_body(rank: int, world_size: int, seed: int) -> None:
 
         params = dict(model.named_parameters())
         assert all(isinstance(p, DTensor) for p in params.values()), f"{name}: parameters are not sharded"
-        compute_dtype = param_dtype or torch.float32
-        trained = {n: checksum(p.full_tensor().to(compute_dtype)) for n, p in params.items()}
+        # diffusers' fp32-kept parameters outside the blocks stay fp32 (miles.parallel.fsdp)
+        dtypes = {n: torch.float32 if _kept_fp32(model, n) else compute_dtype for n in params}
+        trained = {n: checksum(p.full_tensor().to(dtypes[n])) for n, p in params.items()}
         master = {n: checksum(p.full_tensor()) for n, p in params.items()}
         shapes = {n: p.shape for n, p in params.items()}
         plain = _forward(model, local_probe)
@@ -93,9 +108,9 @@ def _weight_sync_body(rank: int, world_size: int, seed: int) -> None:
                     assert not isinstance(p, DTensor), (
                         f"{name}: {n} is still sharded in the rollout (pass {i})"
                     )
-                    assert p.shape == shapes[n] and p.dtype == compute_dtype, (
+                    assert p.shape == shapes[n] and p.dtype == dtypes[n], (
                         f"{name}: {n} is {tuple(p.shape)} {p.dtype} in the rollout, trained "
-                        f"{tuple(shapes[n])} {compute_dtype}"
+                        f"{tuple(shapes[n])} {dtypes[n]}"
                     )
                     assert checksum(p) == trained[n], (
                         f"{name}: rollout weight {n} differs from the trained weight"
