@@ -193,7 +193,11 @@ class TrainConfig:
     keep_checkpoints: int = 2
     """Keep the last K checkpoints."""
     resume: bool = True
-    """Resume from the latest complete checkpoint in the run directory, if any."""
+    """Resume from the latest complete checkpoint in the run directory, if any. ``--train.no-resume``
+    refuses a run directory that holds a previous run (see ``overwrite``)."""
+    overwrite: bool = False
+    """With ``--train.no-resume``: delete the previous run's checkpoints, metrics, export, samples, eval
+    and wandb files in the run directory, then start afresh."""
     export: bool = True
     """At the end, write the trained transformer(s) as a diffusers folder under ``<run>/export``."""
     weight_digest: bool = False
@@ -237,6 +241,10 @@ def validate(cfg: Config) -> None:
         (cfg.train.num_rollouts >= 1, "train.num_rollouts must be >= 1"),
         (cfg.train.steps_per_rollout >= 1, "train.steps_per_rollout must be >= 1"),
         (cfg.train.micro_batch_size >= 1, "train.micro_batch_size must be >= 1"),
+        (
+            not (cfg.train.overwrite and cfg.train.resume),
+            "--train.overwrite deletes the previous run: it needs --train.no-resume",
+        ),
         (len(cfg.train.adam_betas) == 2, "train.adam_betas must have two values"),
         (cfg.model.lora_rank >= 0, "model.lora_rank must be >= 0"),
         (cfg.parallel.sequence_parallel_size >= 1, "--sequence-parallel-size must be >= 1"),

@@ -49,6 +49,7 @@ from miles.sequence_parallel import apply_sequence_parallel, validate_sp_args
 from miles.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, weights_digest
 from miles.train.export import export_pipeline
 from miles.train.logging import MetricsLogger, print0
+from miles.train.run_dir import check_run_dir, clear_run_dir
 
 
 def _maybe_inject_fault(rank: int, step: int) -> None:
@@ -109,6 +110,7 @@ class Trainer:
         torch.manual_seed(cfg.run.seed)
 
         self.run_dir = Path(cfg.run.output_dir) / cfg.run.name
+        check_run_dir(self.run_dir, cfg.train.resume, cfg.train.overwrite)
         # Everything that can be refused is checked before the model is moved or a rollout runs.
         self.prompts = load_prompts(cfg.data.prompt_file or TINY_PROMPTS)
         self.rewards = build_rewards(
@@ -156,6 +158,12 @@ class Trainer:
         self.step = 0  # optimizer steps taken
         self.rollout_index = 0  # rollout batches completed
         self.experts = nn.ModuleList(self.model.transformers)  # one module for checkpoints
+        if cfg.train.overwrite:  # every check has passed: only now is the previous run deleted
+            if self.rank == 0 and (removed := clear_run_dir(self.run_dir)):
+                print0(
+                    f"[miles] --train.overwrite: deleted the previous run's {', '.join(removed)} in {self.run_dir}"
+                )
+            dist.barrier()
         self.logger = MetricsLogger(
             self.run_dir,
             dataclasses.asdict(cfg),
@@ -172,6 +180,8 @@ class Trainer:
             )
         if cfg.train.resume and (ckpt := latest_checkpoint(self.run_dir)) is not None:
             self._resume(ckpt)
+        else:
+            self.logger.truncate_after(0)  # rows of a run that saved no checkpoint are redone
         print0(
             f"[miles] world {self.world_size} = dp {self.dims.dp} x sp {self.dims.sp} "
             f"(ulysses {self.dims.ulysses} x ring {self.dims.ring}); model {self.model.path} "

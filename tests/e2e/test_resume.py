@@ -243,3 +243,33 @@ def test_resume_across_topologies(reference, tmp_path):
         + "".join(f"; {n} step 8 {r.saved()[8][:16]}" for n, r in runs.items())
         + f"; back at dp4 step 10 {back.saved()[10][:16]}"
     )
+
+
+def test_rerun_with_no_resume_refuses_then_overwrites(reference, tmp_path):
+    """``--train.no-resume`` into a finished run's directory: refused, nothing touched; with
+    ``--train.overwrite`` the previous run is deleted and the new one is a clean fresh start."""
+    run_dir = tmp_path / "rerun"
+    shutil.copytree(reference.run_dir, run_dir)
+    (run_dir / "export" / "pipeline").mkdir(parents=True)  # as a run with train.export leaves it
+    before = {p.relative_to(run_dir): p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+
+    refused = launch(tmp_path, "rerun", "--train.no-resume", "--train.num-rollouts", "1")
+    assert refused.returncode != 0
+    assert f"the run directory {run_dir} holds a previous run" in refused.output, refused.output[-3000:]
+    for part in ("step_000002, step_000004, step_000006", "metrics.jsonl with 6 rows", "export/"):
+        assert part in refused.output, part
+    for way_out in ("drop --train.no-resume", "--run.name", "--train.overwrite"):
+        assert way_out in refused.output, way_out
+    after = {p.relative_to(run_dir): p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    assert after == before, "a refused launch must leave the previous run as it was"
+
+    fresh = launch_ok(
+        tmp_path, "rerun", "--train.no-resume", "--train.overwrite", "--train.num-rollouts", "1"
+    )
+    assert fresh.resumed() is None
+    assert checkpoint_names(run_dir) == ["step_000002"]
+    assert not (run_dir / "export").exists()
+    # A fresh start of the same seed: the reference's first two steps, bit for bit.
+    assert fresh.saved() == {2: reference.saved()[2]}
+    want = last_rows(reference.run_dir)
+    assert last_rows(run_dir) == {1: want[1], 2: want[2]}

@@ -1,0 +1,56 @@
+"""The run-directory policy (``miles.train.run_dir``): what a launch may do with a previous run."""
+
+import pytest
+
+from miles.config import Config, ConfigError, TrainConfig
+from miles.train.run_dir import RUN_OUTPUTS, check_run_dir, clear_run_dir, previous_run
+
+
+def _previous(run_dir):
+    (run_dir / "checkpoints" / "step_000004").mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    (run_dir / "export").mkdir()
+    (run_dir / "notes.txt").write_text("the user's own file")
+
+
+def test_fresh_or_empty_directories_are_fine(tmp_path):
+    check_run_dir(tmp_path / "new", resume=False, overwrite=False)
+    (tmp_path / "empty" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "empty" / "metrics.jsonl").write_text("\n")
+    assert previous_run(tmp_path / "empty") == []
+    check_run_dir(tmp_path / "empty", resume=False, overwrite=False)
+
+
+def test_no_resume_refuses_a_previous_run_naming_the_ways_out(tmp_path):
+    _previous(tmp_path)
+    with pytest.raises(ValueError, match="holds a previous run") as e:
+        check_run_dir(tmp_path, resume=False, overwrite=False)
+    for part in (
+        "checkpoints step_000004",
+        "metrics.jsonl with 2 rows",
+        "export/",
+        "--run.name",
+        "--train.overwrite",
+    ):
+        assert part in str(e.value)
+    check_run_dir(tmp_path, resume=True, overwrite=False)  # resuming it is fine
+    check_run_dir(tmp_path, resume=False, overwrite=True)
+
+
+def test_overwrite_removes_only_what_a_run_writes(tmp_path):
+    _previous(tmp_path)
+    assert clear_run_dir(tmp_path) == ["checkpoints", "metrics.jsonl", "export"]
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
+    assert set(RUN_OUTPUTS) >= {"checkpoints", "metrics.jsonl", "export", "samples", "wandb"}
+
+
+def test_a_file_as_run_directory_is_refused(tmp_path):
+    (tmp_path / "run").write_text("")
+    with pytest.raises(ValueError, match="is a file"):
+        check_run_dir(tmp_path / "run", resume=True, overwrite=False)
+
+
+def test_overwrite_needs_no_resume():
+    with pytest.raises(ConfigError, match="needs --train.no-resume"):
+        Config(train=TrainConfig(overwrite=True))
+    Config(train=TrainConfig(overwrite=True, resume=False))
