@@ -166,6 +166,28 @@ class GRPOConfig:
     """Normalise advantages by the std over all samples instead of per group."""
     kl_beta: float = 0.0
     """Weight of the KL penalty to the reference (initial) policy; 0 turns it off."""
+    negate_advantages: bool = False
+    """Negative control for learning benchmarks: train on the negated advantages (a run that must
+    not improve its reward)."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class EvalConfig:
+    prompt_file: str | None = None
+    """Held-out prompts (``.txt`` or ``.jsonl``), sampled deterministically and scored by every
+    configured reward at the start, every ``every`` rollouts and at the end. None: no evaluation."""
+    every: int = 0
+    """Evaluate every N rollouts (and at the start and the end); 0: only at the start and the end."""
+    num_seeds: int = 2
+    """Samples per prompt, with fixed seeds 0..num_seeds-1."""
+    sampler: Literal["rollout", "pipeline"] = "rollout"
+    """``rollout``: the rollout's grid with ODE steps and its CFG (what training optimises, without
+    its noise); ``pipeline``: the model folder's own scheduler, stepped as WanPipeline does (what
+    users see at inference)."""
+    num_steps: int | None = None
+    """Denoising steps; None: rollout.num_steps."""
+    log_videos: bool = True
+    """Write a video grid of rank 0's evaluation samples (``<run>/eval/step_N.gif``) and log it."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -214,6 +236,7 @@ class Config:
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
     reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
     grpo: GRPOConfig = dataclasses.field(default_factory=GRPOConfig)
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
 
     def __post_init__(self) -> None:
@@ -239,6 +262,9 @@ def validate(cfg: Config) -> None:
         (cfg.rollout.noise_level >= 0.0, "rollout.noise_level must be >= 0"),
         (len(cfg.rollout.sde_window_range) == 2, "rollout.sde_window_range must be [lo, hi]"),
         (cfg.train.num_rollouts >= 1, "train.num_rollouts must be >= 1"),
+        (cfg.eval.every >= 0, "eval.every must be >= 0 (0: only at the start and the end)"),
+        (cfg.eval.num_seeds >= 1, "eval.num_seeds must be >= 1"),
+        (cfg.eval.num_steps is None or cfg.eval.num_steps >= 1, "eval.num_steps must be >= 1"),
         (cfg.train.steps_per_rollout >= 1, "train.steps_per_rollout must be >= 1"),
         (cfg.train.micro_batch_size >= 1, "train.micro_batch_size must be >= 1"),
         (

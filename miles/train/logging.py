@@ -59,14 +59,31 @@ class MetricsLogger:
             )
 
     def truncate_after(self, step: int) -> None:
-        """Drop rows logged after ``step`` (a resumed run repeats those steps)."""
+        """Drop rows logged after ``step`` (a resumed run repeats those steps), evaluations too."""
         if not self.enabled:
             return
-        path = self.run_dir / "metrics.jsonl"
         self._jsonl.close()
-        rows = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-        path.write_text("".join(r + "\n" for r in rows))
-        self._jsonl = open(path, "a")
+        for path in (self.run_dir / "metrics.jsonl", self.run_dir / "eval.jsonl"):
+            if path.is_file():
+                lines = path.read_text().splitlines()
+                rows = [line for line in lines if line and json.loads(line)["step"] <= step]
+                path.write_text("".join(r + "\n" for r in rows))
+        self._jsonl = open(self.run_dir / "metrics.jsonl", "a")
+
+    def log_eval(self, metrics: dict, step: int, grid: Path | None = None, caption: str = "") -> None:
+        """One evaluation: a row of ``eval.jsonl`` and, in wandb, its metrics and video grid."""
+        if not self.enabled:
+            return
+        row = {"step": step, "time": time.time(), **{k: _scalar(v) for k, v in metrics.items()}}
+        with open(self.run_dir / "eval.jsonl", "a") as f:
+            f.write(json.dumps(row, allow_nan=True) + "\n")
+        if self._wandb is not None:
+            import wandb
+
+            extra = {"eval/grid": wandb.Video(str(grid), caption=caption)} if grid is not None else {}
+            self._wandb.log(
+                {**{k: v for k, v in row.items() if k not in ("step", "time")}, **extra}, step=step
+            )
 
     def log(self, metrics: dict, step: int) -> None:
         if not self.enabled:

@@ -30,6 +30,7 @@ from tqdm import tqdm
 
 from miles.config import Config
 from miles.data.prompts import TINY_PROMPTS, GroupSampler, load_prompts
+from miles.eval import EvalSettings, evaluate, summarize, write_eval
 from miles.grpo.advantages import group_advantages
 from miles.grpo.losses import grpo_policy_loss
 from miles.models.wan import DTYPES, WanModel, calibrate_block_memory, load_wan
@@ -113,6 +114,9 @@ class Trainer:
         check_run_dir(self.run_dir, cfg.train.resume, cfg.train.overwrite)
         # Everything that can be refused is checked before the model is moved or a rollout runs.
         self.prompts = load_prompts(cfg.data.prompt_file or TINY_PROMPTS)
+        self.eval_prompts = (
+            [p.text for p in load_prompts(cfg.eval.prompt_file)] if cfg.eval.prompt_file else []
+        )
         self.rewards = build_rewards(
             cfg.reward.weights,
             num_frames=cfg.reward.num_frames,
@@ -155,6 +159,7 @@ class Trainer:
             weight_decay=cfg.train.weight_decay,
         )
         self._saved_step = -1
+        self._eval_step = -1
         self.step = 0  # optimizer steps taken
         self.rollout_index = 0  # rollout batches completed
         self.experts = nn.ModuleList(self.model.transformers)  # one module for checkpoints
@@ -441,6 +446,8 @@ class Trainer:
             global_std=self.cfg.grpo.global_std,
             adv_clip_max=self.cfg.grpo.adv_clip_max,
         )
+        if self.cfg.grpo.negate_advantages:  # the negative control: must not learn
+            advantages = -advantages
         mine = slice(self.mesh.dp_rank * n, (self.mesh.dp_rank + 1) * n)
         batch.update(
             videos=torch.cat(videos) if videos else None,  # the micro-batches this rank decoded
@@ -623,6 +630,8 @@ class Trainer:
             desc="rollouts",
             disable=self.rank != 0 or not cfg.run.progress,
         )
+        if self.rollout_index == 0:
+            self.evaluate()  # the baseline
         while self.rollout_index < cfg.train.num_rollouts:
             if self.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(self.device)
@@ -643,10 +652,14 @@ class Trainer:
             self._log(batch, step_stats, t1 - t0, t2 - t1, t3 - t2)
             self.rollout_index += 1
             bar.update(1)
+            if cfg.eval.every and self.rollout_index % cfg.eval.every == 0:
+                self.evaluate()
             every = cfg.train.checkpoint_every
             if every and self.rollout_index % every == 0 and self.rollout_index < cfg.train.num_rollouts:
                 self.save()
         bar.close()
+        if self._eval_step != self.step:
+            self.evaluate()
         if self._saved_step != self.step:
             self.save()
         if cfg.train.export:
@@ -654,6 +667,59 @@ class Trainer:
                 cfg, self.model.path, list(self.model.transformers), self.run_dir / "export"
             )
             print0(f"[miles] exported the trained model to {out}")
+
+    def evaluate(self) -> None:
+        """Sample the held-out prompts deterministically, score them with every reward, log
+        ``eval/<reward>/mean`` (``eval.jsonl``, wandb) and write ``<run>/eval/step_N.{json,gif}``."""
+        cfg, r = self.cfg, self.cfg.rollout
+        if not self.eval_prompts:
+            return
+        t0 = time.perf_counter()
+        settings = EvalSettings(
+            latent_shape=self.model.latent_shape(r.num_frames, r.height, r.width),
+            num_steps=cfg.eval.num_steps or r.num_steps,
+            shift=r.shift,
+            guidance_scales=self._guidance_scales(),
+            boundary_ratio=self.model.boundary_ratio,
+            expand_timesteps=self.model.expand_timesteps,
+            micro_batch_size=cfg.train.micro_batch_size,
+            seed=cfg.run.seed,
+            sampler=cfg.eval.sampler,
+        )
+        with unsharded_for_rollout(
+            self.model.transformers,
+            enabled=cfg.parallel.rollout_unsharded,
+            reshard_after_forward=cfg.parallel.reshard_after_forward,
+        ):
+            result = evaluate(
+                self.model,
+                self.rewards,
+                self.eval_prompts,
+                cfg.eval.num_seeds,
+                settings,
+                negative_prompt=cfg.data.negative_prompt,
+                max_sequence_length=cfg.data.max_sequence_length,
+                device=self.device,
+                dp_rank=self.mesh.dp_rank,
+                dp_size=self.mesh.dp_size,
+                dp_group=self.mesh.dp_group,
+                keep_videos=self.rank == 0 and cfg.eval.log_videos,
+            )
+        metrics = {
+            **summarize(result),
+            "rollout": self.rollout_index,
+            "time/eval_s": time.perf_counter() - t0,
+        }
+        grid = None
+        if self.rank == 0:
+            grid = write_eval(result, self.run_dir / "eval", f"step_{self.step:06d}").get("gif")
+        self.logger.log_eval(metrics, step=self.step, grid=grid, caption=f"held-out, step {self.step}")
+        self._eval_step = self.step
+        print0(
+            f"[eval] step {self.step}: "
+            + " ".join(f"{k[5:-5]}={v:.4f}" for k, v in metrics.items() if k.endswith("/mean"))
+            + f" ({len(result['prompts'])} samples, {metrics['time/eval_s']:.1f}s)"
+        )
 
     def _log(
         self, batch: dict, step_stats: list[dict], t_rollout: float, t_reward: float, t_train: float

@@ -1,0 +1,160 @@
+"""The learning benchmark: GRPO on the tiny world, CPU, through torchrun, in two layouts, with a
+negative control.
+
+    python bench/learning.py --out bench/results/learning            # ~the table in docs/learning.md
+    python bench/learning.py --out /tmp/l --num-rollouts 10 --runs dp4 dp4-negated
+
+Each run is ``train_grpo.py --config configs/world_cpu.yaml`` (the pretrained world pipeline, the
+``world_adherence`` reward, held-out evaluation: 8 prompts the training never sees x 4 fixed
+seeds, ODE sampling) in deterministic mode with 4 CPU processes:
+
+- ``dp4``: 4 data-parallel ranks;
+- ``dp2xsp2``: 2 dp ranks x sp 2 (Ulysses) — the same global batch (prompts-per-rank 2 at dp4 is
+  8 prompt groups; at dp2 x sp2 prompts-per-rank 4), so its curve must coincide with dp4's;
+- ``dp4-negated``: dp4 with ``grpo.negate_advantages`` — the same run pushed away from the
+  reward, which must not rise.
+
+Writes ``learning.json`` (per run: per-step training reward, every held-out evaluation with its
+step and wall time, the run's wall time), ``learning.png`` (held-out adherence against optimizer
+steps and against wall time; training reward) and ``learning.md`` (a table). ``--target`` states
+the goal the table checks: held-out error 1 − adherence at most half the baseline's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+REWARD = "world_adherence"
+RUNS = {
+    "dp4": ["--data.prompts-per-rank", "2"],
+    "dp2xsp2": ["--data.prompts-per-rank", "4", "--sequence-parallel-size", "2", "--ulysses-degree", "2"],
+    "dp4-negated": ["--data.prompts-per-rank", "2", "--grpo.negate-advantages"],
+}
+
+
+def launch(out: Path, name: str, flags: list[str], num_rollouts: int, extra: list[str]) -> float:
+    """One 4-process torchrun launch; returns its wall time in seconds."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
+    cmd += ["train_grpo.py", "--config", "configs/world_cpu.yaml", "--run.output-dir", str(out)]
+    cmd += ["--run.name", name, "--run.no-progress", "--deterministic-mode", "--train.no-export"]
+    cmd += ["--train.no-resume", "--train.overwrite", "--train.num-rollouts", str(num_rollouts)]
+    cmd += [*flags, *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(
+            f"run {name} failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        )
+    return time.monotonic() - t0
+
+
+def read_run(run_dir: Path, wall_s: float) -> dict:
+    """Training reward per optimizer step and every evaluation, times relative to the first row."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
+    t0 = evals[0]["time"] - evals[0]["time/eval_s"]
+    return {
+        "wall_s": wall_s,
+        "train": [
+            {"step": r["step"], "reward": r[f"reward/{REWARD}/mean"]} for r in rows if "reward/mean" in r
+        ],
+        "eval": [
+            {
+                "step": e["step"],
+                "rollout": e["rollout"],
+                "time_s": e["time"] - t0,
+                "adherence": e[f"eval/{REWARD}/mean"],
+            }
+            for e in evals
+        ],
+    }
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for name, res in results.items():
+        steps = [e["step"] for e in res["eval"]]
+        adherence = [e["adherence"] for e in res["eval"]]
+        axes[0].plot(steps, adherence, marker="o", label=name)
+        axes[1].plot([e["time_s"] for e in res["eval"]], adherence, marker="o", label=name)
+        axes[2].plot([t["step"] for t in res["train"]], [t["reward"] for t in res["train"]], label=name)
+    for ax, (xlabel, ylabel) in zip(
+        axes,
+        [
+            ("optimizer step", "held-out adherence"),
+            ("wall time (s, 4 CPU processes)", "held-out adherence"),
+            ("optimizer step", "training reward (rollout mean)"),
+        ],
+    ):
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle("GRPO on the tiny world (configs/world_cpu.yaml): held-out prompts, ODE, fixed seeds")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def table(results: dict, target: float) -> str:
+    lines = [
+        "| run | baseline held-out | final held-out | error 1 − adherence | best held-out | steps | wall time |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, res in results.items():
+        ev = res["eval"]
+        base, final, best = ev[0]["adherence"], ev[-1]["adherence"], max(e["adherence"] for e in ev)
+        ratio = (1 - final) / max(1 - base, 1e-9)
+        lines.append(
+            f"| {name} | {base:.3f} | {final:.3f} | {1 - base:.3f} → {1 - final:.3f} (×{ratio:.2f}) | "
+            f"{best:.3f} | {ev[-1]['step']} | {res['wall_s']:.0f} s |"
+        )
+    lines.append("")
+    lines.append(
+        f"Target: the error of the GRPO runs at most ×{target:.2f} of the baseline's; the negated run must not rise."
+    )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--num-rollouts", type=int, default=20)
+    p.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
+    p.add_argument("--target", type=float, default=0.5, help="final held-out error / baseline error")
+    p.add_argument("extra", nargs="*", help="further train_grpo.py flags (after --)")
+    args = p.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = {}
+    for name in args.runs:
+        wall = launch(args.out, name, RUNS[name], args.num_rollouts, args.extra)
+        results[name] = read_run(args.out / name, wall)
+        ev = results[name]["eval"]
+        print(
+            f"{name}: held-out {ev[0]['adherence']:.3f} -> {ev[-1]['adherence']:.3f} in {wall:.0f} s",
+            flush=True,
+        )
+    (args.out / "learning.json").write_text(json.dumps(results, indent=1))
+    md = table(results, args.target)
+    (args.out / "learning.md").write_text(md + "\n")
+    print(md)
+    try:
+        plot(results, args.out / "learning.png")
+    except ImportError:
+        print("matplotlib is not installed (pip install -e '.[bench]'): no plot written")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,154 @@
+"""Evaluate an exported pipeline or a training checkpoint on a prompt file: JSON + a video grid.
+
+    python -m miles.eval --config configs/world_cpu.yaml --model.path runs/world_cpu/export/pipeline \\
+        --eval.prompt-file miles/world/prompts_heldout.txt --out runs/world_cpu/eval_export
+    python -m miles.eval --config configs/world_cpu.yaml --checkpoint runs/world_cpu/checkpoints/step_000040 \\
+        --out /tmp/eval --eval.sampler pipeline
+    torchrun --nproc-per-node 4 -m miles.eval ...        # the samples split over 4 data-parallel ranks
+
+The recipe gives the rollout settings (frames, size, steps, shift, CFG), the rewards and the eval
+section (prompts, seeds, sampler); any field can be overridden as for ``train_grpo.py``. With
+``--checkpoint`` the base model and LoRA settings come from the checkpoint's own config and its
+trained weights are loaded on top (no process group or trainer needed). Writes
+``OUT/eval.json`` (summary and every sample's scores) and ``OUT/eval.gif`` (the grid) and prints
+the summary. Sampling is the trainer's evaluation exactly (``miles.eval.evaluate``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from miles.config import Config, ConfigError, ModelConfig, parse_args
+
+
+def load_checkpoint_weights(model, checkpoint: Path, model_cfg: ModelConfig) -> None:
+    """Load a trainer checkpoint's weights (DCP) into the plain, unsharded experts of ``model``."""
+    import torch.distributed.checkpoint as dcp
+    from torch import nn
+
+    if not (checkpoint / "COMPLETE").is_file():
+        raise ValueError(f"{checkpoint} is not a complete checkpoint (no COMPLETE marker)")
+    if model_cfg.lora_rank > 0:
+        from peft import LoraConfig
+
+        for t in model.transformers:
+            t.add_adapter(
+                LoraConfig(
+                    r=model_cfg.lora_rank,
+                    lora_alpha=model_cfg.lora_alpha,
+                    init_lora_weights="gaussian",
+                    target_modules=model_cfg.lora_target_modules,
+                )
+            )
+    experts = nn.ModuleList(model.transformers)
+    state = {"model": experts.state_dict()}
+    dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
+    experts.load_state_dict(state["model"])
+
+
+def _compute_in(transformer, dtype: str) -> None:
+    """Cast as the trainer computes (miles.parallel.fsdp): every parameter in ``dtype`` except the
+    ones diffusers keeps in fp32 outside the blocks."""
+    if dtype == "float32":
+        return
+    keep = set(getattr(transformer, "_keep_in_fp32_modules", None) or [])
+    for name, p in transformer.named_parameters():
+        if name.startswith("blocks.") or not keep & set(name.split(".")):
+            p.data = p.data.to(torch.bfloat16)
+
+
+def _parse(argv: list[str] | None) -> tuple[Config, Path, Path | None]:
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--out", type=Path, required=True)
+    pre.add_argument("--checkpoint", type=Path, default=None)
+    opts, rest = pre.parse_known_args(argv)
+    cfg, _ = parse_args(rest)
+    if opts.checkpoint is not None:
+        saved = json.loads((opts.checkpoint / "trainer.json").read_text())["config"]["model"]
+        cfg.model = ModelConfig(**saved)
+    if not cfg.eval.prompt_file:
+        raise ConfigError("give the prompts to evaluate: --eval.prompt-file FILE")
+    return cfg, opts.out, opts.checkpoint
+
+
+def main(argv: list[str] | None = None) -> int:
+    from miles.data.prompts import load_prompts
+    from miles.eval.evaluate import EvalSettings, evaluate, summarize, write_eval
+    from miles.models.wan import load_wan
+    from miles.rewards import build_rewards
+
+    try:
+        cfg, out, checkpoint = _parse(argv)
+        prompts = [p.text for p in load_prompts(cfg.eval.prompt_file)]
+        device = (
+            torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else None
+        )
+        device = device or torch.device("cpu")
+        rewards = build_rewards(
+            cfg.reward.weights,
+            num_frames=cfg.reward.num_frames,
+            pickscore_path=cfg.reward.pickscore_path,
+            pickscore_processor_path=cfg.reward.pickscore_processor_path,
+            device=device,
+        )
+        model = load_wan(cfg.model, device)
+        if checkpoint is not None:
+            load_checkpoint_weights(model, checkpoint, cfg.model)
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if world > 1:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    rank = dist.get_rank() if world > 1 else 0
+    for t in model.transformers:
+        _compute_in(t.eval(), cfg.model.dtype)
+    r = cfg.rollout
+    g2 = r.guidance_scale if r.guidance_scale_2 is None else r.guidance_scale_2
+    settings = EvalSettings(
+        latent_shape=model.latent_shape(r.num_frames, r.height, r.width),
+        num_steps=cfg.eval.num_steps or r.num_steps,
+        shift=r.shift,
+        guidance_scales=[r.guidance_scale, g2][: len(model.transformers)],
+        boundary_ratio=model.boundary_ratio,
+        expand_timesteps=model.expand_timesteps,
+        micro_batch_size=cfg.train.micro_batch_size,
+        seed=cfg.run.seed,
+        sampler=cfg.eval.sampler,
+    )
+    result = evaluate(
+        model,
+        rewards,
+        prompts,
+        cfg.eval.num_seeds,
+        settings,
+        negative_prompt=cfg.data.negative_prompt,
+        max_sequence_length=cfg.data.max_sequence_length,
+        device=device,
+        dp_rank=rank,
+        dp_size=world,
+        dp_group=dist.group.WORLD if world > 1 else None,
+        keep_videos=rank == 0 and cfg.eval.log_videos,
+    )
+    if rank == 0:
+        paths = write_eval(result, out, "eval")
+        print(
+            json.dumps(
+                {"model": str(model.path), "checkpoint": str(checkpoint), **summarize(result)}, indent=1
+            )
+        )
+        print(f"wrote {', '.join(str(p) for p in paths.values())}")
+    if world > 1:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,210 @@
+"""Held-out evaluation: deterministic samples of a prompt set, scored by every configured reward.
+
+Each (prompt, seed) pair is one sample; its initial noise is a function of the run seed, the prompt's
+index and the seed only, and sampling is deterministic (ODE, no SDE noise), so an evaluation is
+a function of the weights. The samples are cut into micro-batches of ``micro_batch_size`` in a
+fixed order and the micro-batches are dealt to dp ranks round-robin (sp peers take the same ones),
+so every layout evaluates the same micro-batches — dp4 and dp2 × sp2 give the same scores.
+
+Two samplers:
+
+- ``rollout``: the rollout's own uniform shifted grid (``rollout.num_steps``, ``rollout.shift``)
+  with Euler (ODE) steps and the rollout's CFG — what training optimises, without its noise.
+- ``pipeline``: the checkpoint's own scheduler, stepped as ``WanPipeline`` steps it (real Wan
+  folders ship UniPC with a flow shift) — what users see at inference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from miles.rollout.sampler import predict_velocity, sample_with_logprob
+
+_EVAL_STREAM = 4
+"""Tag of the evaluation noise stream (the trainer's rollout streams are 1-3)."""
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """How to sample an evaluation (the rollout's settings, without SDE noise)."""
+
+    latent_shape: tuple[int, int, int, int]
+    num_steps: int
+    shift: float
+    guidance_scales: list[float]
+    boundary_ratio: float | None
+    expand_timesteps: bool
+    micro_batch_size: int
+    seed: int
+    sampler: str = "rollout"
+
+
+def eval_noise(shape: Sequence[int], seed: int, prompt_index: int, sample_seed: int) -> torch.Tensor:
+    """The fixed fp32 initial noise of one evaluation sample."""
+    # Integers only: their hash is the same in every process (a str's is salted per process).
+    g = torch.Generator().manual_seed(
+        hash((_EVAL_STREAM, seed, prompt_index, sample_seed)) & 0x7FFF_FFFF_FFFF_FFFF
+    )
+    return torch.randn(tuple(shape), generator=g)
+
+
+@torch.no_grad()
+def sample_with_scheduler(
+    transformers: Sequence[nn.Module],
+    scheduler,
+    pos: torch.Tensor,
+    neg: torch.Tensor | None,
+    latents: torch.Tensor,
+    settings: EvalSettings,
+) -> torch.Tensor:
+    """Denoise ``latents`` as ``WanPipeline`` does: the scheduler's own timesteps and steps, the
+    expert switch at ``boundary_ratio · 1000``, CFG per expert. Returns the clean latents (fp32)."""
+    import copy
+
+    scheduler = copy.deepcopy(scheduler)  # its step index and solver history are per call
+    scheduler.set_timesteps(settings.num_steps, device=latents.device)
+    x = latents.float()
+    for t in scheduler.timesteps:
+        v = predict_velocity(
+            transformers,
+            x,
+            t.float(),
+            pos,
+            neg,
+            settings.guidance_scales,
+            settings.boundary_ratio,
+            settings.expand_timesteps,
+        )
+        x = scheduler.step(v, t, x, return_dict=False)[0].float()
+    return x
+
+
+def _sample(model, pos, neg, latents, settings: EvalSettings) -> torch.Tensor:
+    if settings.sampler == "pipeline":
+        return sample_with_scheduler(
+            model.transformers, model.pipeline.scheduler, pos, neg, latents, settings
+        )
+    return sample_with_logprob(
+        model.transformers,
+        pos,
+        neg,
+        settings.latent_shape,
+        num_steps=settings.num_steps,
+        shift=settings.shift,
+        guidance_scales=settings.guidance_scales,
+        boundary_ratio=settings.boundary_ratio,
+        noise_level=0.0,
+        generator=None,
+        latents=latents,
+        sde_steps=[],
+        expand_timesteps=settings.expand_timesteps,
+    ).final_latents
+
+
+def evaluate(
+    model,
+    rewards,
+    prompts: Sequence[str],
+    num_seeds: int,
+    settings: EvalSettings,
+    *,
+    negative_prompt: str,
+    max_sequence_length: int,
+    device: torch.device,
+    dp_rank: int = 0,
+    dp_size: int = 1,
+    dp_group=None,
+    keep_videos: bool = True,
+) -> dict:
+    """Sample and score ``prompts`` x ``num_seeds`` (collective over the dp group when dp_size > 1).
+
+    Returns ``scores`` (1 + len(rewards.names), N) on every rank — row 0 the weighted combination,
+    then each reward — with ``prompts`` and ``seeds`` (N,) in sample order, and ``videos``: the
+    decoded (F, 3, H, W) videos of the micro-batches this rank sampled, keyed by sample index.
+    """
+    if settings.sampler not in ("rollout", "pipeline"):
+        raise ValueError(f"eval.sampler must be rollout or pipeline, got {settings.sampler!r}")
+    samples = [(i, s) for i in range(len(prompts)) for s in range(num_seeds)]
+    mb = settings.micro_batch_size
+    chunks = [list(range(k, min(k + mb, len(samples)))) for k in range(0, len(samples), mb)]
+    scores = torch.zeros(1 + len(rewards.names), len(samples), dtype=torch.float64)
+    videos: dict[int, torch.Tensor] = {}
+    for c, idx in enumerate(chunks):
+        if c % dp_size != dp_rank:
+            continue
+        texts = [prompts[samples[j][0]] for j in idx]
+        pos, neg = model.encode_prompts(texts, negative_prompt, max_sequence_length, device)
+        noise = torch.stack([eval_noise(settings.latent_shape, settings.seed, *samples[j]) for j in idx])
+        final = _sample(model, pos, neg, noise.to(device), settings)
+        video = model.decode(final)
+        combined, per_reward = rewards(video, texts)
+        rows = torch.stack([combined, *(per_reward[n] for n in rewards.names)]).double().cpu()
+        scores[:, idx] = rows
+        if keep_videos:
+            videos.update({j: v.cpu() for j, v in zip(idx, video)})
+    if dp_size > 1:
+        # Each sample was scored by exactly one dp rank (others hold 0): the sum is exact.
+        flat = scores.to(device)
+        dist.all_reduce(flat, group=dp_group)
+        scores = flat.cpu()
+    return {
+        "scores": scores,
+        "names": ["reward", *rewards.names],
+        "prompts": [prompts[i] for i, _ in samples],
+        "seeds": [s for _, s in samples],
+        "videos": videos,
+    }
+
+
+def summarize(result: dict) -> dict[str, float]:
+    """``eval/<reward>/mean`` and ``/std`` for the combined reward and each reward."""
+    out = {}
+    for name, row in zip(result["names"], result["scores"]):
+        out[f"eval/{name}/mean"] = float(row.mean())
+        out[f"eval/{name}/std"] = float(row.std()) if row.numel() > 1 else 0.0
+    return out
+
+
+def write_eval(result: dict, out_dir, tag: str) -> dict:
+    """Write ``<out_dir>/<tag>.json`` (every sample's prompt, seed and scores, and the summary) and,
+    when videos were kept, ``<tag>.gif``: an animated grid of them (row-major in sample order)
+    with ``<tag>_grid.json`` naming each cell's prompt, seed and reward. Returns the paths."""
+    import json
+    from pathlib import Path
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows = [
+        {"prompt": p, "seed": s, **{n: float(result["scores"][k, i]) for k, n in enumerate(result["names"])}}
+        for i, (p, s) in enumerate(zip(result["prompts"], result["seeds"]))
+    ]
+    paths = {"json": out_dir / f"{tag}.json"}
+    paths["json"].write_text(json.dumps({"summary": summarize(result), "samples": rows}, indent=1))
+    if result["videos"]:
+        order = sorted(result["videos"])
+        paths["gif"] = out_dir / f"{tag}.gif"
+        _grid_gif([result["videos"][i] for i in order], paths["gif"])
+        cells = [{"cell": c, **rows[i]} for c, i in enumerate(order)]
+        (out_dir / f"{tag}_grid.json").write_text(json.dumps(cells, indent=1))
+    return paths
+
+
+def _grid_gif(videos: list[torch.Tensor], path, columns: int = 8) -> None:
+    """Videos (F, 3, H, W) in [0, 1] tiled into one animated GIF, 2-pixel white gutters."""
+    from PIL import Image
+
+    f, _, h, w = videos[0].shape
+    cols = min(columns, len(videos))
+    rows = -(-len(videos) // cols)
+    canvas = torch.ones(f, 3, rows * (h + 2), cols * (w + 2))
+    for k, v in enumerate(videos):
+        r, c = divmod(k, cols)
+        canvas[:, :, r * (h + 2) : r * (h + 2) + h, c * (w + 2) : c * (w + 2) + w] = v
+    frames = (canvas.permute(0, 2, 3, 1) * 255).round().clamp(0, 255).to(torch.uint8).numpy()
+    images = [Image.fromarray(fr) for fr in frames]
+    images[0].save(path, save_all=True, append_images=images[1:], duration=125, loop=0)
