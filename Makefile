@@ -8,7 +8,7 @@ TINY_DIR ?= .cache/tiny-wan
 NPROC ?= 4
 TORCHRUN := $(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC)
 
-.PHONY: setup lint format test test-fast e2e e2e-gpu e2e-bands tiny-model bench clean
+.PHONY: setup lint format test test-fast e2e e2e-random e2e-gpu e2e-bands tiny-model world-model bench bench-learning clean
 
 setup: $(STAMP)
 
@@ -41,10 +41,22 @@ test: lint tiny-model
 test-fast: setup tiny-model
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q tests/unit
 
-# The main job: a short GRPO run of the tiny recipe, 4 CPU processes as dp2 x sp2.
-e2e: tiny-model
+# The main job: GRPO on the pretrained tiny world (miles/world), 4 CPU processes as dp2 x sp2;
+# the held-out evaluation (eval.jsonl, eval/step_N.gif) rises from the pretrained baseline.
+e2e: setup
+	HF_HUB_OFFLINE=1 WANDB_MODE=offline OMP_NUM_THREADS=1 $(TORCHRUN) train_grpo.py \
+		--config configs/world_cpu.yaml --sequence-parallel-size 2 --data.prompts-per-rank 4
+
+# The random embedded tiny model (two experts) at dp2 x sp2: what the parity tests use.
+e2e-random: tiny-model
 	HF_HUB_OFFLINE=1 WANDB_MODE=offline OMP_NUM_THREADS=1 $(TORCHRUN) train_grpo.py \
 		--config configs/tiny_cpu.yaml --sequence-parallel-size 2
+
+# Rebuild the pretrained world pipeline (VAE + Wan prior, ~17 min on 2 cores) into WORLD_DIR;
+# the committed copy is miles/world/pipeline.
+WORLD_DIR ?= .cache/world-wan
+world-model: setup
+	$(PY) -m miles.world.pretrain $(WORLD_DIR)
 
 # The same recipe shape on one GPU.
 e2e-gpu: tiny-model
@@ -58,6 +70,11 @@ e2e-bands: tiny-model
 # One-GPU benchmarks (needs CUDA): the trainer's step vs stock diffusers at Wan shapes.
 bench: setup
 	$(PY) bench/gpu_bench.py --out bench/results
+
+# The learning benchmark (CPU, torchrun): dp4, dp2 x sp2 and the negated control; docs/learning.md.
+bench-learning: setup
+	$(PY) -m pip install -q -e ".[bench]"
+	$(PY) bench/learning.py --out bench/results/learning
 
 clean:
 	rm -rf runs wandb .pytest_cache .ruff_cache
