@@ -133,7 +133,12 @@ class RolloutConfig:
     guidance_scale_2: float | None = None
     """CFG scale of the low-noise expert (two-expert models); None: same as guidance_scale."""
     noise_level: float = 0.7
-    """SDE noise level a in sigma_t = a * sqrt(sigma / (1 - sigma))."""
+    """SDE noise level a: sigma_t = a * sqrt(sigma / (1 - sigma)) (``sde``), or
+    sigma_t = sigma_next * sin(a * pi / 2) with a in (0, 1] (``cps``)."""
+    sde_type: Literal["sde", "cps"] = "sde"
+    """The stochastic step: ``sde`` (Flow-GRPO's SDE) or ``cps`` (coefficients-preserving sampling,
+    arXiv 2509.05952: re-noises the predicted clean sample at exactly the path's noise level; its
+    log-prob is flow_grpo's unnormalised one)."""
     timestep_fraction: float = 0.6
     """Fraction of denoising steps that use the SDE (and are trained on) when no window is set."""
     sde_window_size: int = 0
@@ -260,6 +265,10 @@ def validate(cfg: Config) -> None:
         ),
         (0.0 < cfg.rollout.timestep_fraction <= 1.0, "rollout.timestep_fraction must be in (0, 1]"),
         (cfg.rollout.noise_level >= 0.0, "rollout.noise_level must be >= 0"),
+        (
+            cfg.rollout.sde_type != "cps" or cfg.rollout.noise_level <= 1.0,
+            "rollout.noise_level must be in (0, 1] with rollout.sde_type cps (sigma_t = sigma_next * sin(a*pi/2))",
+        ),
         (len(cfg.rollout.sde_window_range) == 2, "rollout.sde_window_range must be [lo, hi]"),
         (cfg.train.num_rollouts >= 1, "train.num_rollouts must be >= 1"),
         (cfg.eval.every >= 0, "eval.every must be >= 0 (0: only at the start and the end)"),

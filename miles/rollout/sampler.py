@@ -36,7 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from miles.parallel.fsdp import compute_dtype
-from miles.rollout.sde import ode_step, sde_step_with_logprob
+from miles.rollout.sde import SDE_STEPS, ode_step
 
 NUM_TRAIN_TIMESTEPS = 1000
 """Wan's ``num_train_timesteps``: the model is conditioned on t = 1000·σ."""
@@ -170,6 +170,12 @@ def predict_velocity(
     return out
 
 
+def _sde_step(sde_type: str):
+    if sde_type not in SDE_STEPS:
+        raise ValueError(f"rollout.sde_type must be one of {sorted(SDE_STEPS)}, got {sde_type!r}")
+    return SDE_STEPS[sde_type]
+
+
 @dataclass
 class Rollout:
     """One batch of sampled trajectories; K = number of SDE steps. All float tensors are fp32."""
@@ -256,6 +262,7 @@ def sample_with_logprob(
     latents: Tensor | None = None,
     sde_steps: Sequence[int] | None = None,
     expand_timesteps: bool = False,
+    sde_type: str = "sde",
 ) -> Rollout:
     """Denoise a batch from noise to σ = 0, recording the SDE steps.
 
@@ -273,9 +280,11 @@ def sample_with_logprob(
         sde_steps: the SDE step indices, chosen by the caller (then no window is drawn here). A
             distributed trainer picks them once for all ranks so expert routing matches everywhere.
         expand_timesteps: per-token timesteps (Wan2.2 TI2V).
+        sde_type: ``sde`` (Flow-GRPO's SDE) or ``cps`` (coefficients-preserving sampling).
     """
     if not 1 <= len(transformers) <= 2:
         raise ValueError(f"expected 1 or 2 transformers, got {len(transformers)}")
+    sde_step = _sde_step(sde_type)
     batch = prompt_embeds.shape[0]
     device = prompt_embeds.device
     sigmas = flow_sigmas(num_steps, shift).to(device)
@@ -313,7 +322,7 @@ def sample_with_logprob(
             expand_timesteps,
         )
         if i in sde_steps:
-            step = sde_step_with_logprob(v, x, sigmas[i], sigmas[i + 1], noise_level, generator=generator)
+            step = sde_step(v, x, sigmas[i], sigmas[i + 1], noise_level, generator=generator)
             rec_latents.append(x)
             rec_next.append(step.prev_sample)
             rec_logp.append(step.log_prob)
@@ -345,6 +354,7 @@ def compute_log_prob(
     boundary_ratio: float | None,
     noise_level: float,
     expand_timesteps: bool = False,
+    sde_type: str = "sde",
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Log-prob (B,) of the stored ``next_latents[:, k]`` under the current weights, with the
     SDE mean (B, C, F, H, W) and std (B, 1, 1, 1, 1); differentiable through the transformer.
@@ -362,7 +372,7 @@ def compute_log_prob(
         boundary_ratio,
         expand_timesteps,
     )
-    step = sde_step_with_logprob(
+    step = _sde_step(sde_type)(
         v,
         rollout.latents[:, k],
         rollout.sigmas[k],

@@ -15,6 +15,8 @@ scored and trained with a clipped-ratio objective:
 All arithmetic is fp32 whatever the model dtype (a bf16 mean overflows and its rounding
 would swamp the tiny ratio changes GRPO clips at ~1e-4).
 
+``cps_step_with_logprob`` is the coefficients-preserving alternative (``rollout.sde_type: cps``).
+
 Departures from flow_grpo's ``sde_step_with_logprob``:
 - It looks σ up from a diffusers scheduler by timestep; here σ and σ_next are passed in (a
   float or one per sample), so the step does not depend on a scheduler object.
@@ -131,6 +133,50 @@ def sde_step_with_logprob(
     log_density = -((prev_sample - mean) ** 2) / (2 * std**2) - torch.log(std) - _LOG_SQRT_2PI
     log_prob = log_density.mean(dim=tuple(range(1, log_density.ndim)))
     return SDEStep(prev_sample=prev_sample, log_prob=log_prob, mean=mean, std=std)
+
+
+def cps_step_with_logprob(
+    velocity: Tensor,
+    latents: Tensor,
+    sigma: float | Tensor,
+    sigma_next: float | Tensor,
+    noise_level: float,
+    prev_sample: Tensor | None = None,
+    generator: torch.Generator | Sequence[torch.Generator] | None = None,
+) -> SDEStep:
+    """One coefficients-preserving sampling (CPS) step (Wang & Yu 2025, arXiv 2509.05952;
+    flow_grpo's ``sde_type="cps"``), arguments as :func:`sde_step_with_logprob`.
+
+    The step re-noises the predicted clean sample with exactly the noise coefficient σ_next the
+    flow path has there, split between the predicted noise and fresh noise:
+
+        x̂0 = x − σ·v,   x̂1 = x + (1 − σ)·v,   σ_t = σ_next · sin(a·π/2)
+        mean = (1 − σ_next)·x̂0 + sqrt(σ_next² − σ_t²)·x̂1,   prev = mean + σ_t·z
+
+    ``log_prob`` is flow_grpo's: −mean((prev − mean)²), the Gaussian log-density without its
+    constants and without the 1/(2σ_t²) factor (so ratios are those of flow_grpo's CPS runs;
+    ``grpo.clip_range`` applies to them). ``std`` is σ_t, the step's true standard deviation.
+    """
+    if not 0 < noise_level <= 1:
+        raise ValueError(f"CPS needs 0 < noise_level <= 1 (σ_t = σ_next·sin(a·π/2)), got {noise_level}")
+    velocity = velocity.float()
+    latents = latents.float()
+    sigma_b = _per_sample(sigma, latents)
+    sigma_next_b = _per_sample(sigma_next, latents)
+    std = sigma_next_b * math.sin(noise_level * math.pi / 2)
+    x0 = latents - sigma_b * velocity
+    x1 = latents + (1 - sigma_b) * velocity
+    mean = x0 * (1 - sigma_next_b) + x1 * torch.sqrt(sigma_next_b**2 - std**2)
+    if prev_sample is None:
+        prev_sample = mean + std * draw_noise(latents.shape, generator, latents.device)
+    prev_sample = prev_sample.detach().float()
+    sq = (prev_sample - mean) ** 2
+    log_prob = -sq.mean(dim=tuple(range(1, sq.ndim)))
+    return SDEStep(prev_sample=prev_sample, log_prob=log_prob, mean=mean, std=std)
+
+
+SDE_STEPS = {"sde": sde_step_with_logprob, "cps": cps_step_with_logprob}
+"""``rollout.sde_type`` -> the stochastic step the rollout samples and training scores with."""
 
 
 def ode_step(velocity: Tensor, latents: Tensor, sigma: float | Tensor, sigma_next: float | Tensor) -> Tensor:

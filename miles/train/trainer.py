@@ -371,6 +371,7 @@ class Trainer:
                     latents=init_noise[sl].to(self.device),
                     sde_steps=sde_steps,
                     expand_timesteps=self.model.expand_timesteps,
+                    sde_type=r.sde_type,
                 )
                 chunks.append({"slice": sl, "pos": pos.to(dtype), "neg": neg.to(dtype), "rollout": ro})
         return {"prompts": prompts, "group_ids": group_ids, "chunks": chunks, "sde_steps": sde_steps}
@@ -496,6 +497,7 @@ class Trainer:
                         boundary_ratio=self.model.boundary_ratio,
                         noise_level=cfg.rollout.noise_level,
                         expand_timesteps=self.model.expand_timesteps,
+                        sde_type=cfg.rollout.sde_type,
                     )
                     old = ro.log_probs[:, k].to(log_prob.device)
                     ref_mean = self._reference_mean(ro, k, chunk) if cfg.grpo.kl_beta > 0 else None
@@ -547,6 +549,7 @@ class Trainer:
             boundary_ratio=self.model.boundary_ratio,
             noise_level=self.cfg.rollout.noise_level,
             expand_timesteps=self.model.expand_timesteps,
+            sde_type=self.cfg.rollout.sde_type,
         )
         if self.reference is not None:
             return compute_log_prob(self.reference, ro, k, **kwargs)[1]
