@@ -162,6 +162,13 @@ class RewardConfig:
 
 
 @dataclasses.dataclass(kw_only=True)
+class AlgorithmConfig:
+    name: Literal["flow_grpo"] = "flow_grpo"
+    """The RL algorithm (``miles.algorithms``): what the rollout records and the loss.
+    ``flow_grpo``: SDE rollouts with per-step log-probs and the clipped-ratio loss (section ``grpo``)."""
+
+
+@dataclasses.dataclass(kw_only=True)
 class GRPOConfig:
     clip_range: float = 1e-4
     """PPO ratio clip epsilon (Flow-GRPO uses 1e-4: per-step log-probs are averaged over many dims)."""
@@ -240,6 +247,7 @@ class Config:
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
     reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
+    algorithm: AlgorithmConfig = dataclasses.field(default_factory=AlgorithmConfig)
     grpo: GRPOConfig = dataclasses.field(default_factory=GRPOConfig)
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)

@@ -28,11 +28,11 @@ import yaml
 from torch import nn
 from tqdm import tqdm
 
+from miles.algorithms import Policy, build_algorithm
 from miles.config import Config
 from miles.data.prompts import TINY_PROMPTS, GroupSampler, load_prompts
 from miles.eval import EvalSettings, evaluate, summarize, write_eval
 from miles.grpo.advantages import group_advantages
-from miles.grpo.losses import grpo_policy_loss
 from miles.models.wan import DTYPES, WanModel, calibrate_block_memory, load_wan
 from miles.parallel.checkpointing import checkpoint_modes, fixed_training_bytes
 from miles.parallel.compile import resolve_compile
@@ -40,12 +40,7 @@ from miles.parallel.fsdp import apply_fsdp, unsharded_for_rollout
 from miles.parallel.topology import ParallelDims, build_parallel_mesh, resolve_ulysses_degree
 from miles.parallel.topology_checks import check_ulysses_within_node, local_world_size_from_env
 from miles.rewards import build_rewards
-from miles.rollout.sampler import (
-    Rollout,
-    compute_log_prob,
-    sample_with_logprob,
-    sde_step_indices,
-)
+from miles.rollout.sampler import Rollout, compute_log_prob, sample_with_logprob
 from miles.sequence_parallel import apply_sequence_parallel, validate_sp_args
 from miles.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, weights_digest
 from miles.train.export import export_pipeline
@@ -148,6 +143,14 @@ class Trainer:
         )
         self.num_tokens = self.model.num_tokens(cfg.rollout.num_frames, cfg.rollout.height, cfg.rollout.width)
         self._parallelize()
+        self.algorithm = build_algorithm(cfg)
+        self.policy = Policy(
+            transformers=self.model.transformers,
+            guidance_scales=self._guidance_scales(),
+            boundary_ratio=self.model.boundary_ratio,
+            expand_timesteps=self.model.expand_timesteps,
+            reference_mean=self._reference_mean,
+        )
         if self.compile_blocks:
             print0("[miles] torch.compile per block: the first rollout and train step include compile time")
         params = [p for t in self.model.transformers for p in t.parameters() if p.requires_grad]
@@ -322,13 +325,7 @@ class Trainer:
         sample_ids = [sample_ids[i] for i in order]
         group_ids = torch.as_tensor(group_list)
         # The SDE steps are the same on every rank (so expert routing and FSDP's collectives match).
-        sde_steps = sde_step_indices(
-            r.num_steps,
-            sde_window_size=r.sde_window_size or None,
-            sde_window_start_range=tuple(r.sde_window_range) if r.sde_window_size else None,
-            timestep_fraction=r.timestep_fraction,
-            generator=self._generator(1, self.rollout_index),
-        )
+        sde_steps = self.algorithm.sde_steps(r.num_steps, self._generator(1, self.rollout_index))
         latent_shape = self.model.latent_shape(r.num_frames, r.height, r.width)
         # Keyed by global sample index, so dp4, dp2 x sp2 and sp4 draw the same videos; sp peers
         # share dp_rank and so share samples.
@@ -468,9 +465,8 @@ class Trainer:
     def train_on(self, batch: dict) -> list[dict]:
         """``steps_per_rollout`` optimizer steps over the rollout batch.
 
-        Each step takes its share of micro-batches and accumulates, for every micro-batch and
-        every stored SDE step, the gradient of the clipped-ratio loss (scaled so the step's
-        gradient is the mean over its samples and SDE steps).
+        Each step takes its share of micro-batches; the algorithm backpropagates its loss over
+        them (``miles.algorithms``), then the gradients are clipped and the optimizer steps.
         """
         cfg = self.cfg
         chunks = batch["chunks"]
@@ -478,50 +474,8 @@ class Trainer:
         stats = []
         for m in self._bar(range(cfg.train.steps_per_rollout), "optimizer steps"):
             mine = chunks[m * per_step : (m + 1) * per_step]
-            num_k = mine[0]["rollout"].log_probs.shape[1]
-            samples = sum(c["rollout"].log_probs.shape[0] for c in mine)
-            sums = dict.fromkeys(("loss", "policy_loss", "kl", "clipfrac", "approx_kl", "ratio"), 0.0)
-            canary = 0.0
-            for chunk in mine:
-                ro = chunk["rollout"]
-                adv = batch["advantages"][chunk["slice"]]
-                weight = ro.log_probs.shape[0] / (samples * num_k)
-                for k in range(num_k):
-                    log_prob, mean, std = compute_log_prob(
-                        self.model.transformers,
-                        ro,
-                        k,
-                        prompt_embeds=chunk["pos"],
-                        negative_embeds=chunk["neg"],
-                        guidance_scales=self._guidance_scales(),
-                        boundary_ratio=self.model.boundary_ratio,
-                        noise_level=cfg.rollout.noise_level,
-                        expand_timesteps=self.model.expand_timesteps,
-                        sde_type=cfg.rollout.sde_type,
-                    )
-                    old = ro.log_probs[:, k].to(log_prob.device)
-                    ref_mean = self._reference_mean(ro, k, chunk) if cfg.grpo.kl_beta > 0 else None
-                    out = grpo_policy_loss(
-                        log_prob,
-                        old,
-                        adv,
-                        cfg.grpo.clip_range,
-                        beta=cfg.grpo.kl_beta,
-                        mean=mean,
-                        ref_mean=ref_mean,
-                        std=std,
-                    )
-                    (out.loss * weight).backward()
-                    canary += (log_prob.detach() - old).abs().mean().item() * weight
-                    for key, value in (
-                        ("loss", out.loss),
-                        ("policy_loss", out.policy_loss),
-                        ("kl", out.kl),
-                        ("clipfrac", out.clipfrac),
-                        ("approx_kl", out.approx_kl),
-                        ("ratio", out.ratio_mean),
-                    ):
-                        sums[key] += float(value.detach()) * weight
+            sums = self.algorithm.accumulate(self.policy, batch, mine)
+            canary = sums.pop("log_prob_mean_abs_diff", None)
             if not self._all_finite(sums["loss"]):
                 raise NonFiniteError(f"the loss is NaN or inf at step {self.step + 1}")
             _maybe_inject_fault(self.rank, self.step + 1)
@@ -533,7 +487,7 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             self.step += 1
             row = {**sums, "grad_norm": grad_norm}
-            if m == 0:
+            if m == 0 and canary is not None:
                 # The first step of a rollout runs with exactly the weights that sampled it.
                 row["log_prob_mean_abs_diff"] = canary
             stats.append(self._mean_over_dp(row))
