@@ -178,6 +178,9 @@ class GRPOConfig:
     """Normalise advantages by the std over all samples instead of per group."""
     kl_beta: float = 0.0
     """Weight of the KL penalty to the reference (initial) policy; 0 turns it off."""
+    step_loss_weight: Literal["none", "sigma_over_sqrt_dt"] = "none"
+    """Per-SDE-step weight of the policy loss: ``none`` (every step alike, the paper's and flow_grpo's
+    SD3 script), or ``sigma_over_sqrt_dt``: sigma_t / sqrt(|dt|) as flow_grpo's Wan script weights it."""
     negate_advantages: bool = False
     """Negative control for learning benchmarks: train on the negated advantages (a run that must
     not improve its reward)."""

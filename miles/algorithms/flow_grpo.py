@@ -5,10 +5,14 @@ window drawn per rollout: flow_grpo's Fast/MixGRPO mode) with their log-probabil
 the sampling policy. An optimizer step recomputes the log-probability of every stored step of
 its micro-batches with the current weights and backpropagates the clipped-ratio loss
 (``miles.grpo.losses``), optionally with β·KL to the reference policy, scaled so that the
-step's gradient is the mean over its samples and SDE steps.
+step's gradient is the mean over its samples and SDE steps. ``grpo.step_loss_weight:
+sigma_over_sqrt_dt`` weights each SDE step's policy term by σ_t/√|dt| as flow_grpo's Wan script
+does (default ``none``: every step weighs the same, as in flow_grpo's SD3 script and the paper).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -16,6 +20,7 @@ from miles.algorithms import register_algorithm
 from miles.algorithms.base import Algorithm, Policy
 from miles.grpo.losses import grpo_policy_loss
 from miles.rollout.sampler import compute_log_prob, sde_step_indices
+from miles.rollout.sde import sde_std_dev
 
 _METRICS = ("loss", "policy_loss", "kl", "clipfrac", "approx_kl", "ratio")
 
@@ -36,6 +41,18 @@ class FlowGRPO(Algorithm):
             timestep_fraction=r.timestep_fraction,
             generator=generator,
         )
+
+    def _step_weight(self, ro, k: int) -> float:
+        """``grpo.step_loss_weight``: 1, or flow_grpo's Wan weight σ_t/√|dt| of SDE step k, with σ_t
+        the step's noise scale (``sde``: a·√(σ/(1−σ)); ``cps``: σ_next·sin(a·π/2))."""
+        if self.grpo.step_loss_weight == "none":
+            return 1.0
+        sigma, sigma_next, a = ro.sigmas[k].float(), ro.sigma_next[k].float(), self.rollout.noise_level
+        if self.rollout.sde_type == "cps":
+            sigma_t = sigma_next * math.sin(a * math.pi / 2)
+        else:
+            sigma_t = sde_std_dev(sigma, sigma_next, a)
+        return float(sigma_t / torch.sqrt(sigma - sigma_next))
 
     def accumulate(self, policy: Policy, batch: dict, chunks: list[dict]) -> dict[str, float]:
         num_k = chunks[0]["rollout"].log_probs.shape[1]
@@ -70,6 +87,7 @@ class FlowGRPO(Algorithm):
                     mean=mean,
                     ref_mean=ref_mean,
                     std=std,
+                    policy_weight=self._step_weight(ro, k),
                 )
                 (out.loss * weight).backward()
                 canary += (log_prob.detach() - old).abs().mean().item() * weight

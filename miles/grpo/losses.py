@@ -58,11 +58,13 @@ def grpo_policy_loss(
     mean: Tensor | None = None,
     ref_mean: Tensor | None = None,
     std: Tensor | None = None,
+    policy_weight: float = 1.0,
 ) -> PolicyLoss:
     """Clipped-ratio loss for one step of B samples: log-probs and advantages are (B,).
 
     With ``beta > 0``, ``mean`` (current policy's SDE mean, with gradient), ``ref_mean``
-    (reference policy's) and ``std`` are required.
+    (reference policy's) and ``std`` are required. ``policy_weight`` scales the policy term of
+    ``loss`` (a per-step weight; ``policy_loss`` is reported unweighted).
     """
     if not (log_prob.shape == old_log_prob.shape == advantages.shape) or log_prob.ndim != 1:
         raise ValueError(
@@ -80,10 +82,10 @@ def grpo_policy_loss(
         if mean is None or ref_mean is None or std is None:
             raise ValueError("beta > 0 needs mean, ref_mean and std for the KL term")
         kl = gaussian_mean_kl(mean, ref_mean, std).mean()
-        loss = policy_loss + beta * kl
+        loss = policy_weight * policy_loss + beta * kl
     else:
         kl = torch.zeros((), device=policy_loss.device)
-        loss = policy_loss
+        loss = policy_weight * policy_loss
 
     with torch.no_grad():
         clipfrac = ((ratio - 1.0).abs() > clip_range).float().mean()

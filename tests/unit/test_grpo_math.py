@@ -129,3 +129,40 @@ def test_kl_term():
     assert mean.grad.abs().sum() > 0
     with pytest.raises(ValueError, match="KL"):
         grpo_policy_loss(logp, logp, adv, 1e-4, beta=0.1)
+
+
+def test_step_loss_weight_is_flow_grpo_wans_sigma_over_sqrt_dt():
+    """``grpo.step_loss_weight: sigma_over_sqrt_dt`` against the formula in float64; the weight
+    scales the policy term's gradient and nothing else."""
+    import math
+    from types import SimpleNamespace
+
+    from miles.algorithms.flow_grpo import FlowGRPO
+    from miles.config import Config, GRPOConfig, RolloutConfig
+
+    ro = SimpleNamespace(sigmas=torch.tensor([1.0, 0.8]), sigma_next=torch.tensor([0.9, 0.7]))
+    for sde_type, a in (("sde", 0.7), ("cps", 0.5)):
+        cfg = Config(
+            rollout=RolloutConfig(sde_type=sde_type, noise_level=a),
+            grpo=GRPOConfig(step_loss_weight="sigma_over_sqrt_dt"),
+        )
+        algo = FlowGRPO(cfg)
+        for k, (s, sn) in enumerate(((1.0, 0.9), (0.8, 0.7))):
+            if sde_type == "sde":  # at σ = 1 flow_grpo's σ_t uses the next sigma in 1 − σ
+                sigma_t = a * math.sqrt(s / (1 - (sn if s == 1.0 else s)))
+            else:
+                sigma_t = sn * math.sin(a * math.pi / 2)
+            assert algo._step_weight(ro, k) == pytest.approx(sigma_t / math.sqrt(s - sn), rel=1e-6)
+        assert (
+            FlowGRPO(Config(rollout=RolloutConfig(sde_type=sde_type, noise_level=a)))._step_weight(ro, 1)
+            == 1.0
+        )
+
+    lp = torch.randn(4, requires_grad=True)
+    old, adv = lp.detach() + 1e-5, torch.randn(4)
+    grads = []
+    for w in (1.0, 3.0):
+        lp.grad = None
+        grpo_policy_loss(lp, old, adv, 0.2, policy_weight=w).loss.backward()
+        grads.append(lp.grad.clone())
+    torch.testing.assert_close(grads[1], 3.0 * grads[0])
