@@ -237,6 +237,9 @@ class TrainConfig:
     and wandb files in the run directory, then start afresh."""
     export: bool = True
     """At the end, write the trained transformer(s) as a diffusers folder under ``<run>/export``."""
+    ema_decay: float = 0.0
+    """Keep an exponential moving average of the trained weights (e ← decay·e + (1 − decay)·w after
+    every optimizer step; sharded like the weights, checkpointed) and evaluate and export it; 0: off."""
     weight_digest: bool = False
     """Print a sha256 of the full weights after every checkpoint save and load (checks that a resume
     across topologies restores the same bits; gathers every parameter, so off by default)."""
@@ -287,6 +290,7 @@ def validate(cfg: Config) -> None:
         (cfg.eval.num_steps is None or cfg.eval.num_steps >= 1, "eval.num_steps must be >= 1"),
         (cfg.train.steps_per_rollout >= 1, "train.steps_per_rollout must be >= 1"),
         (cfg.train.micro_batch_size >= 1, "train.micro_batch_size must be >= 1"),
+        (0.0 <= cfg.train.ema_decay < 1.0, "train.ema_decay must be in [0, 1) (0 turns the EMA off)"),
         (
             not (cfg.train.overwrite and cfg.train.resume),
             "--train.overwrite deletes the previous run: it needs --train.no-resume",

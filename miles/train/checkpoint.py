@@ -51,9 +51,18 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def _model_state(models: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+def _model_state(models: nn.Module, optimizer: torch.optim.Optimizer, ema=None) -> dict:
     model_sd, optim_sd = get_state_dict(models, optimizer)
-    return {"model": model_sd, "optim": optim_sd}
+    state = {"model": model_sd, "optim": optim_sd}
+    if ema is not None:
+        state["ema"] = ema.state_dict()
+    return state
+
+
+def has_ema(path: Path) -> bool:
+    """Whether the checkpoint at ``path`` holds an EMA of the weights (``train.ema_decay``)."""
+    meta = dcp.FileSystemReader(str(path)).read_metadata()
+    return any(k.startswith("ema.") for k in meta.state_dict_metadata)
 
 
 def save_checkpoint(
@@ -63,6 +72,7 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer,
     trainer_state: dict,
     keep: int,
+    ema=None,
 ) -> Path:
     """Collective: every rank writes its shards; rank 0 finalises. Returns the checkpoint path."""
     root = checkpoint_dir(run_dir)
@@ -81,7 +91,7 @@ def save_checkpoint(
         if final.exists():
             shutil.rmtree(final)
     dist.barrier()
-    dcp.save(_model_state(models, optimizer), checkpoint_id=str(partial))
+    dcp.save(_model_state(models, optimizer, ema), checkpoint_id=str(partial))
     dist.barrier()
     if rank == 0:
         with open(partial / "trainer.json", "w") as f:
@@ -94,15 +104,17 @@ def save_checkpoint(
     return final
 
 
-def load_checkpoint(path: Path, models: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """Collective: load weights and optimizer state into the (already sharded) models; returns
-    the trainer state saved with them."""
+def load_checkpoint(path: Path, models: nn.Module, optimizer: torch.optim.Optimizer, ema=None) -> dict:
+    """Collective: load weights and optimizer state into the (already sharded) models, and the EMA
+    where ``ema`` is given and the checkpoint holds one; returns the trainer state saved with them."""
     path = Path(path)
     if not (path / "COMPLETE").is_file():
         raise ValueError(f"{path} is not a complete checkpoint (no COMPLETE marker)")
-    state = _model_state(models, optimizer)
+    state = _model_state(models, optimizer, ema if ema is not None and has_ema(path) else None)
     dcp.load(state, checkpoint_id=str(path))
     set_state_dict(models, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    if "ema" in state:
+        ema.load_state_dict(state["ema"])
     return json.loads((path / "trainer.json").read_text())
 
 

@@ -11,6 +11,7 @@ gradient of the clipped-ratio loss over those steps (Flow-GRPO).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import math
@@ -42,7 +43,14 @@ from miles.parallel.topology_checks import check_ulysses_within_node, local_worl
 from miles.rewards import build_rewards
 from miles.rollout.sampler import Rollout, compute_log_prob, sample_with_logprob
 from miles.sequence_parallel import apply_sequence_parallel, validate_sp_args
-from miles.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, weights_digest
+from miles.train.checkpoint import (
+    has_ema,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+    weights_digest,
+)
+from miles.train.ema import EMA
 from miles.train.export import export_pipeline
 from miles.train.logging import MetricsLogger, print0
 from miles.train.run_dir import check_run_dir, clear_run_dir
@@ -166,6 +174,8 @@ class Trainer:
         self.step = 0  # optimizer steps taken
         self.rollout_index = 0  # rollout batches completed
         self.experts = nn.ModuleList(self.model.transformers)  # one module for checkpoints
+        trainable = [(n, p) for n, p in self.experts.named_parameters() if p.requires_grad]
+        self.ema = EMA(trainable, cfg.train.ema_decay) if cfg.train.ema_decay > 0 else None
         if cfg.train.overwrite:  # every check has passed: only now is the previous run deleted
             if self.rank == 0 and (removed := clear_run_dir(self.run_dir)):
                 print0(
@@ -484,6 +494,8 @@ class Trainer:
                 self.optimizer.zero_grad(set_to_none=True)
                 raise NonFiniteError(f"the gradient norm is NaN or inf at step {self.step + 1}")
             self.optimizer.step()
+            if self.ema is not None:
+                self.ema.update()
             self.optimizer.zero_grad(set_to_none=True)
             self.step += 1
             row = {**sums, "grad_norm": grad_norm}
@@ -556,6 +568,7 @@ class Trainer:
             self.optimizer,
             self._trainer_state(),
             self.cfg.train.keep_checkpoints,
+            ema=self.ema,
         )
         self._saved_step = self.step
         print0(f"[miles] checkpoint saved: {path}{self._digest_note()}")
@@ -566,7 +579,9 @@ class Trainer:
         return f" (weights sha256 {weights_digest(self.experts)})"
 
     def _resume(self, path: Path) -> None:
-        state = load_checkpoint(path, self.experts, self.optimizer)
+        if self.ema is not None and not has_ema(path):
+            print0(f"[miles] {path} holds no EMA: the EMA starts from its weights")
+        state = load_checkpoint(path, self.experts, self.optimizer, ema=self.ema)
         self.step, self.rollout_index = state["step"], state["rollout_index"]
         self.sampler.load_state_dict(state["sampler"])
         self.logger.truncate_after(self.step)
@@ -620,10 +635,15 @@ class Trainer:
         if self._saved_step != self.step:
             self.save()
         if cfg.train.export:
-            out = export_pipeline(
-                cfg, self.model.path, list(self.model.transformers), self.run_dir / "export"
-            )
+            with self._averaged():
+                out = export_pipeline(
+                    cfg, self.model.path, list(self.model.transformers), self.run_dir / "export"
+                )
             print0(f"[miles] exported the trained model to {out}")
+
+    def _averaged(self):
+        """The EMA weights in place of the trained ones (``train.ema_decay``), else nothing."""
+        return self.ema.applied() if self.ema is not None else contextlib.nullcontext()
 
     def evaluate(self) -> None:
         """Sample the held-out prompts deterministically, score them with every reward, log
@@ -643,10 +663,13 @@ class Trainer:
             seed=cfg.run.seed,
             sampler=cfg.eval.sampler,
         )
-        with unsharded_for_rollout(
-            self.model.transformers,
-            enabled=cfg.parallel.rollout_unsharded,
-            reshard_after_forward=cfg.parallel.reshard_after_forward,
+        with (
+            self._averaged(),
+            unsharded_for_rollout(
+                self.model.transformers,
+                enabled=cfg.parallel.rollout_unsharded,
+                reshard_after_forward=cfg.parallel.reshard_after_forward,
+            ),
         ):
             result = evaluate(
                 self.model,
