@@ -168,7 +168,9 @@ def _nonfinite_body(rank, world_size, out_dir, where, bad_step, expect_step):
         rewards.names = score.names
         trainer.rewards = rewards
     elif where == "loss":
-        loss_fn = T.grpo_policy_loss
+        import miles.algorithms.flow_grpo as A  # the algorithm forms the loss
+
+        loss_fn = A.grpo_policy_loss
 
         def loss(*args, **kwargs):
             out = loss_fn(*args, **kwargs)
@@ -176,9 +178,11 @@ def _nonfinite_body(rank, world_size, out_dir, where, bad_step, expect_step):
                 out.loss = out.loss + float("inf")
             return out
 
-        T.grpo_policy_loss = loss
+        A.grpo_policy_loss = loss
     elif where == "grad":
-        log_prob_fn = T.compute_log_prob
+        import miles.algorithms.flow_grpo as A
+
+        log_prob_fn = A.compute_log_prob
 
         def log_prob(*args, **kwargs):
             lp, mean, std = log_prob_fn(*args, **kwargs)
@@ -186,7 +190,7 @@ def _nonfinite_body(rank, world_size, out_dir, where, bad_step, expect_step):
                 lp.register_hook(lambda g: g * float("nan"))  # the loss stays finite
             return lp, mean, std
 
-        T.compute_log_prob = log_prob
+        A.compute_log_prob = log_prob
     try:
         trainer.train()
     except T.NonFiniteError as e:
