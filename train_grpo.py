@@ -19,6 +19,11 @@ from miles.config import ConfigError, parse_args
 def main(argv: list[str] | None = None) -> int:
     try:
         cfg, opts = parse_args(argv)
+        if opts.world_size is not None and not opts.dry_run:
+            raise ConfigError(
+                "--world-size is for --dry-run only; a real run takes its world size from torchrun "
+                "(torchrun --nproc-per-node N train_grpo.py ...)"
+            )
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

@@ -84,3 +84,29 @@ def test_cli_overrides_file_and_seed_flags(tmp_path):
 def test_bad_cli_value_fails(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--sequence-parallel-size", "two"])
+
+
+@pytest.mark.parametrize(
+    "flag,value,message",
+    [
+        ("--grpo.clip-range", "0", "grpo.clip_range must be > 0"),
+        ("--grpo.clip-range", "-1e-4", "grpo.clip_range must be > 0"),
+        ("--grpo.kl-beta", "-0.1", "grpo.kl_beta must be >= 0"),
+        ("--grpo.adv-clip-max", "0", "grpo.adv_clip_max must be > 0"),
+        ("--train.learning-rate", "0", "train.learning_rate must be > 0"),
+        ("--train.learning-rate", "-1e-5", "train.learning_rate must be > 0"),
+        ("--train.max-grad-norm", "0", "train.max_grad_norm must be > 0"),
+        ("--train.ema-decay", "1.0", "train.ema_decay must be in"),
+        ("--eval.num-seeds", "0", "eval.num_seeds must be >= 1"),
+    ],
+)
+def test_nonsense_numbers_are_refused(flag, value, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_args([flag, value])
+
+
+def test_world_size_needs_dry_run(capsys):
+    import train_grpo
+
+    assert train_grpo.main(["--world-size", "8"]) == 2
+    assert "--world-size is for --dry-run only" in capsys.readouterr().err
