@@ -39,21 +39,35 @@ RUNS = {
 }
 
 
-def launch(out: Path, name: str, flags: list[str], num_rollouts: int, extra: list[str]) -> float:
-    """One 4-process torchrun launch; returns its wall time in seconds."""
+def command(out: Path, name: str, flags: list[str], num_rollouts: int, extra: list[str]) -> list[str]:
+    """One 4-process torchrun launch of the world recipe."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
     cmd += ["train_grpo.py", "--config", "configs/world_cpu.yaml", "--run.output-dir", str(out)]
     cmd += ["--run.name", name, "--run.no-progress", "--deterministic-mode", "--train.no-export"]
     cmd += ["--train.no-resume", "--train.overwrite", "--train.num-rollouts", str(num_rollouts)]
-    cmd += [*flags, *extra]
+    return [*cmd, *flags, *extra]
+
+
+def launch_all(
+    out: Path, names: list[str], num_rollouts: int, extra: list[str], parallel: bool
+) -> dict[str, float]:
+    """Run the launches one after another, or all at once (on a machine with cores to spare);
+    returns each one's wall time in seconds."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
-    t0 = time.monotonic()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(
-            f"run {name} failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-        )
-    return time.monotonic() - t0
+    walls, procs = {}, {}
+    for name in names:
+        log = open(out / f"{name}.log", "w")
+        t0 = time.monotonic()
+        cmd = command(out, name, RUNS[name], num_rollouts, extra)
+        procs[name] = (subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), t0)
+        if not parallel:
+            procs[name][0].wait()
+            walls[name] = time.monotonic() - t0
+    for name, (proc, t0) in procs.items():
+        if proc.wait() != 0:
+            raise SystemExit(f"run {name} failed (rc {proc.returncode}); see {out / (name + '.log')}")
+        walls.setdefault(name, time.monotonic() - t0)
+    return walls
 
 
 def read_run(run_dir: Path, wall_s: float) -> dict:
@@ -134,17 +148,17 @@ def main() -> None:
     p.add_argument("--num-rollouts", type=int, default=20)
     p.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
     p.add_argument("--target", type=float, default=0.5, help="final held-out error / baseline error")
+    p.add_argument("--parallel", action="store_true", help="run the launches at once (needs >= 12 cores)")
     p.add_argument("extra", nargs="*", help="further train_grpo.py flags (after --)")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    walls = launch_all(args.out, args.runs, args.num_rollouts, args.extra, args.parallel)
     results = {}
     for name in args.runs:
-        wall = launch(args.out, name, RUNS[name], args.num_rollouts, args.extra)
-        results[name] = read_run(args.out / name, wall)
+        results[name] = read_run(args.out / name, walls[name])
         ev = results[name]["eval"]
         print(
-            f"{name}: held-out {ev[0]['adherence']:.3f} -> {ev[-1]['adherence']:.3f} in {wall:.0f} s",
-            flush=True,
+            f"{name}: held-out {ev[0]['adherence']:.3f} -> {ev[-1]['adherence']:.3f} in {walls[name]:.0f} s"
         )
     (args.out / "learning.json").write_text(json.dumps(results, indent=1))
     md = table(results, args.target)

@@ -14,6 +14,7 @@ from miles.rewards.pickscore import PickScore
 from miles.rewards.registry import MultiReward, build_rewards, register_reward, registered_rewards
 from miles.rewards.sharpness import Sharpness
 from miles.rewards.tiny_clip import tiny_clip
+from miles.rewards.world import WorldAdherence
 
 __all__ = [
     "JpegCompressibility",
@@ -22,6 +23,7 @@ __all__ = [
     "PickScore",
     "Reward",
     "Sharpness",
+    "WorldAdherence",
     "build_rewards",
     "frames_to_uint8",
     "register_reward",
