@@ -45,7 +45,7 @@ test-fast: setup tiny-model
 # the held-out evaluation (eval.jsonl, eval/step_N.gif) rises from the pretrained baseline.
 e2e: setup
 	HF_HUB_OFFLINE=1 WANDB_MODE=offline OMP_NUM_THREADS=1 $(TORCHRUN) train_grpo.py \
-		--config configs/world_cpu.yaml --sequence-parallel-size 2 --data.prompts-per-rank 4
+		--config configs/world_cpu.yaml --sequence-parallel-size 2 --data.prompts-per-rank 4 --train.num-rollouts 10
 
 # The random embedded tiny model (two experts) at dp2 x sp2: what the parity tests use.
 e2e-random: tiny-model
