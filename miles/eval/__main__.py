@@ -80,7 +80,7 @@ def _parse(argv: list[str] | None) -> tuple[Config, Path, Path | None]:
 
 def main(argv: list[str] | None = None) -> int:
     from miles.data.prompts import load_prompts
-    from miles.eval.evaluate import EvalSettings, evaluate, summarize, write_eval
+    from miles.eval.evaluate import eval_settings, evaluate, summarize, write_eval
     from miles.models.wan import load_wan
     from miles.rewards import build_rewards
 
@@ -110,19 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     rank = dist.get_rank() if world > 1 else 0
     for t in model.transformers:
         _compute_in(t.eval(), cfg.model.dtype)
-    r = cfg.rollout
-    g2 = r.guidance_scale if r.guidance_scale_2 is None else r.guidance_scale_2
-    settings = EvalSettings(
-        latent_shape=model.latent_shape(r.num_frames, r.height, r.width),
-        num_steps=cfg.eval.num_steps or r.num_steps,
-        shift=r.shift,
-        guidance_scales=[r.guidance_scale, g2][: len(model.transformers)],
-        boundary_ratio=model.boundary_ratio,
-        expand_timesteps=model.expand_timesteps,
-        micro_batch_size=cfg.train.micro_batch_size,
-        seed=cfg.run.seed,
-        sampler=cfg.eval.sampler,
-    )
+    settings = eval_settings(cfg, model)
     result = evaluate(
         model,
         rewards,

@@ -44,6 +44,23 @@ class EvalSettings:
     sampler: str = "rollout"
 
 
+def eval_settings(cfg, model) -> EvalSettings:
+    """The evaluation settings of a run config (``miles.config.Config``) for a loaded ``WanModel``."""
+    r = cfg.rollout
+    g2 = r.guidance_scale if r.guidance_scale_2 is None else r.guidance_scale_2
+    return EvalSettings(
+        latent_shape=model.latent_shape(r.num_frames, r.height, r.width),
+        num_steps=cfg.eval.num_steps or r.num_steps,
+        shift=r.shift,
+        guidance_scales=[r.guidance_scale, g2][: len(model.transformers)],
+        boundary_ratio=model.boundary_ratio,
+        expand_timesteps=model.expand_timesteps,
+        micro_batch_size=cfg.train.micro_batch_size,
+        seed=cfg.run.seed,
+        sampler=cfg.eval.sampler,
+    )
+
+
 def eval_noise(shape: Sequence[int], seed: int, prompt_index: int, sample_seed: int) -> torch.Tensor:
     """The fixed fp32 initial noise of one evaluation sample."""
     # Integers only: their hash is the same in every process (a str's is salted per process).

@@ -32,7 +32,8 @@ from tqdm import tqdm
 from miles.algorithms import Policy, build_algorithm
 from miles.config import Config
 from miles.data.prompts import TINY_PROMPTS, GroupSampler, load_prompts
-from miles.eval import EvalSettings, evaluate, summarize, write_eval
+from miles.eval import evaluate, summarize, write_eval
+from miles.eval.evaluate import eval_settings
 from miles.grpo.advantages import group_advantages
 from miles.models.wan import DTYPES, WanModel, calibrate_block_memory, load_wan
 from miles.parallel.checkpointing import checkpoint_modes, fixed_training_bytes
@@ -648,21 +649,11 @@ class Trainer:
     def evaluate(self) -> None:
         """Sample the held-out prompts deterministically, score them with every reward, log
         ``eval/<reward>/mean`` (``eval.jsonl``, wandb) and write ``<run>/eval/step_N.{json,gif}``."""
-        cfg, r = self.cfg, self.cfg.rollout
+        cfg = self.cfg
         if not self.eval_prompts:
             return
         t0 = time.perf_counter()
-        settings = EvalSettings(
-            latent_shape=self.model.latent_shape(r.num_frames, r.height, r.width),
-            num_steps=cfg.eval.num_steps or r.num_steps,
-            shift=r.shift,
-            guidance_scales=self._guidance_scales(),
-            boundary_ratio=self.model.boundary_ratio,
-            expand_timesteps=self.model.expand_timesteps,
-            micro_batch_size=cfg.train.micro_batch_size,
-            seed=cfg.run.seed,
-            sampler=cfg.eval.sampler,
-        )
+        settings = eval_settings(cfg, self.model)
         with (
             self._averaged(),
             unsharded_for_rollout(
