@@ -163,9 +163,12 @@ class RewardConfig:
 
 @dataclasses.dataclass(kw_only=True)
 class AlgorithmConfig:
-    name: Literal["flow_grpo"] = "flow_grpo"
+    name: Literal["flow_grpo", "grpo_guard", "diffusion_nft"] = "flow_grpo"
     """The RL algorithm (``miles.algorithms``): what the rollout records and the loss.
-    ``flow_grpo``: SDE rollouts with per-step log-probs and the clipped-ratio loss (section ``grpo``)."""
+    ``flow_grpo``: SDE rollouts with per-step log-probs and the clipped-ratio loss (section ``grpo``).
+    ``grpo_guard``: Flow-GRPO with GRPO-Guard's normalised ratio and 1/|dt| step weights (``grpo``;
+    needs rollout.sde_type sde). ``diffusion_nft``: ODE rollouts of an old policy and the
+    forward-process loss on their clean samples, CFG-free (section ``nft``; advantages from ``grpo``)."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -180,10 +183,32 @@ class GRPOConfig:
     """Weight of the KL penalty to the reference (initial) policy; 0 turns it off."""
     step_loss_weight: Literal["none", "sigma_over_sqrt_dt"] = "none"
     """Per-SDE-step weight of the policy loss: ``none`` (every step alike, the paper's and flow_grpo's
-    SD3 script), or ``sigma_over_sqrt_dt``: sigma_t / sqrt(|dt|) as flow_grpo's Wan script weights it."""
+    SD3 script), or ``sigma_over_sqrt_dt``: sigma_t / sqrt(|dt|) as flow_grpo's Wan script weights it.
+    ``grpo_guard`` weights by 1/|dt| itself (leave this ``none``)."""
+    train_cfg: bool = True
+    """Recompute the log-probs with the rollout's CFG (true), or from the conditional branch alone
+    (false: no-CFG training, flow_grpo's ``train.cfg``; roll out with guidance_scale 1 to stay on-policy)."""
     negate_advantages: bool = False
     """Negative control for learning benchmarks: train on the negated advantages (a run that must
     not improve its reward)."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class NFTConfig:
+    beta: float = 1.0
+    """DiffusionNFT's beta: the implicit policies are v+ = beta*v + (1-beta)*v_old and
+    v- = (1+beta)*v_old - beta*v (the reference uses 1.0, and 0.1 for OCR)."""
+    timestep_fraction: float = 0.99
+    """Train on floor(fraction * rollout.num_steps) of the rollout's noise levels per micro-batch,
+    drawn without replacement (the reference: 0.99, i.e. 9 of 10)."""
+    old_decay_rate: float = 0.001
+    """Old-policy soft update: decay = min(rate * (step - flat), max) after each rollout, 0 before
+    ``old_decay_flat`` steps (the reference's decay_type 1: 0.001, 0.5, 0; type 2: 0.0075, 0.999, 75)."""
+    old_decay_max: float = 0.5
+    old_decay_flat: int = 0
+    kl_beta: float = 0.0
+    """Weight of mean((v - v_ref)^2) to the reference (initial) policy; 0 turns it off (the
+    reference uses 1e-4 with LoRA)."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -255,6 +280,7 @@ class Config:
     reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
     algorithm: AlgorithmConfig = dataclasses.field(default_factory=AlgorithmConfig)
     grpo: GRPOConfig = dataclasses.field(default_factory=GRPOConfig)
+    nft: NFTConfig = dataclasses.field(default_factory=NFTConfig)
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
 
@@ -302,6 +328,20 @@ def validate(cfg: Config) -> None:
         (cfg.grpo.adv_clip_max > 0, "grpo.adv_clip_max must be > 0"),
         (cfg.train.learning_rate > 0, "train.learning_rate must be > 0"),
         (cfg.train.max_grad_norm > 0, "train.max_grad_norm must be > 0"),
+        (cfg.nft.beta > 0, "nft.beta must be > 0 (the reference uses 1.0)"),
+        (0.0 < cfg.nft.timestep_fraction <= 1.0, "nft.timestep_fraction must be in (0, 1]"),
+        (cfg.nft.old_decay_rate >= 0, "nft.old_decay_rate must be >= 0"),
+        (0.0 <= cfg.nft.old_decay_max < 1.0, "nft.old_decay_max must be in [0, 1)"),
+        (cfg.nft.old_decay_flat >= 0, "nft.old_decay_flat must be >= 0"),
+        (cfg.nft.kl_beta >= 0, "nft.kl_beta must be >= 0 (0 turns the KL term off)"),
+        (
+            cfg.algorithm.name != "grpo_guard" or cfg.rollout.sde_type == "sde",
+            "algorithm.name grpo_guard normalises the ratio of Flow-GRPO's SDE: set rollout.sde_type sde",
+        ),
+        (
+            cfg.algorithm.name != "grpo_guard" or cfg.grpo.step_loss_weight == "none",
+            "algorithm.name grpo_guard weights every SDE step by 1/|dt| itself: set grpo.step_loss_weight none",
+        ),
         (cfg.parallel.sequence_parallel_size >= 1, "--sequence-parallel-size must be >= 1"),
         (cfg.parallel.ulysses_degree >= 0, "--ulysses-degree must be >= 0 (0 picks it automatically)"),
         (bool(cfg.reward.weights), "reward.weights must name at least one reward"),

@@ -2,18 +2,20 @@
 
 The training loop is the same for every algorithm: roll out, decode and score, normalise the
 rewards within prompt groups, then take ``train.steps_per_rollout`` optimizer steps, each over
-its share of the rollout's micro-batches. An :class:`Algorithm` decides the two things that
-differ: which denoising steps the rollout samples stochastically and records (Flow-GRPO: SDE
-steps with their log-probabilities; a forward-process method: none, only clean samples), and the
-loss it backpropagates over one optimizer step's micro-batches. Algorithms are chosen by
-``algorithm.name`` from the registry (``miles.algorithms.build_algorithm``); the trainer never
-branches on the name.
+its share of the rollout's micro-batches. An :class:`Algorithm` decides what differs: which
+weights sample the rollout (the trained ones, or a lagging "old" copy), which denoising steps
+the rollout samples stochastically and records (Flow-GRPO: SDE steps with their
+log-probabilities; a forward-process method: none, only clean samples), the loss it
+backpropagates over one optimizer step's micro-batches, and what it does once a rollout's
+updates are done. Algorithms are chosen by ``algorithm.name`` from the registry
+(``miles.algorithms.build_algorithm``); the trainer never branches on the name.
 """
 
 from __future__ import annotations
 
 import abc
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
@@ -28,14 +30,28 @@ class Policy:
     guidance_scales: list[float]
     boundary_ratio: float | None
     expand_timesteps: bool
-    reference_mean: Callable | None
-    """(rollout, k, chunk) -> the reference policy's SDE mean, or None without a KL term."""
+    reference: Callable[[], AbstractContextManager[Sequence[nn.Module]]] | None
+    """A context giving the reference (initial) policy's experts: the frozen copy, or the LoRA model
+    with its adapters off. None: no reference is kept (no KL term)."""
+    generator: Callable[..., torch.Generator]
+    """generator(*parts): a CPU generator seeded from the run seed and ``parts``, the same on every
+    rank given the same parts (key draws by global sample index for layout-independent runs)."""
+    old: object | None = None
+    """The old policy (``miles.train.old_policy.OldPolicy``) where the algorithm asks for one."""
 
 
 class Algorithm(abc.ABC):
     """One RL algorithm behind the loop; subclasses register with ``@register_algorithm``."""
 
     name: str = ""
+    uses_old_policy: bool = False
+    """Whether the trainer keeps an old policy: a sharded copy of the experts that samples the
+    rollouts and that ``after_rollout`` moves towards the trained weights."""
+    records_means: bool = False
+    """Whether the rollout keeps each SDE step's mean (``Rollout.means``)."""
+    uses_reference: bool = False
+    """Whether the loss needs the reference (initial) policy (a KL term): the trainer then keeps a
+    frozen sharded copy of a full fine-tune (LoRA: the adapters are switched off instead)."""
 
     @abc.abstractmethod
     def sde_steps(self, num_steps: int, generator: torch.Generator) -> list[int]:
@@ -47,3 +63,17 @@ class Algorithm(abc.ABC):
         """Backpropagate the loss of one optimizer step over ``chunks`` (its micro-batches of the
         rollout ``batch``) into the gradients; return the step's metrics (sample-weighted means),
         with ``loss`` among them and ``log_prob_mean_abs_diff`` where the algorithm has one."""
+
+    @abc.abstractmethod
+    def forwards_per_sample(self, batch: dict) -> int:
+        """Transformer forwards (in samples, CFG counted twice) that training runs per sample of
+        ``batch``, with and without gradient: the throughput metric's numerator."""
+
+    def rollout_transformers(self, policy: Policy) -> Sequence[nn.Module]:
+        """The experts that sample the rollouts: the trained ones unless the algorithm keeps an old policy."""
+        return policy.old.transformers if self.uses_old_policy else policy.transformers
+
+    def after_rollout(self, policy: Policy, step: int) -> dict[str, float]:
+        """Called once a rollout's optimizer steps are done (``step``: optimizer steps so far);
+        returns metrics to log. Default: nothing."""
+        return {}

@@ -8,6 +8,13 @@ its micro-batches with the current weights and backpropagates the clipped-ratio 
 step's gradient is the mean over its samples and SDE steps. ``grpo.step_loss_weight:
 sigma_over_sqrt_dt`` weights each SDE step's policy term by σ_t/√|dt| as flow_grpo's Wan script
 does (default ``none``: every step weighs the same, as in flow_grpo's SD3 script and the paper).
+``grpo.train_cfg: false`` trains the conditional branch alone (flow_grpo's ``train.cfg``): the
+recomputed log-probs, and the reference's, use no CFG whatever the rollout used.
+
+``grpo_guard`` (GRPO-Guard, Wang et al. 2025, arXiv 2510.22319) is Flow-GRPO with its two
+changes: the normalised ratio (``miles.grpo.losses``; the rollout records each step's mean for
+it) and the per-step gradient reweighting 1/|dt| of its paper and of verl-omni's
+``GRPOGuardLoss``. Sampling is unchanged.
 """
 
 from __future__ import annotations
@@ -28,9 +35,11 @@ _METRICS = ("loss", "policy_loss", "kl", "clipfrac", "approx_kl", "ratio")
 @register_algorithm("flow_grpo")
 class FlowGRPO(Algorithm):
     name = "flow_grpo"
+    ratio_norm = False
 
     def __init__(self, cfg):
         self.rollout, self.grpo = cfg.rollout, cfg.grpo
+        self.uses_reference = cfg.grpo.kl_beta > 0
 
     def sde_steps(self, num_steps: int, generator: torch.Generator) -> list[int]:
         r = self.rollout
@@ -41,6 +50,10 @@ class FlowGRPO(Algorithm):
             timestep_fraction=r.timestep_fraction,
             generator=generator,
         )
+
+    def forwards_per_sample(self, batch: dict) -> int:
+        cfg = 2 if self.grpo.train_cfg and self.rollout.guidance_scale > 1 else 1
+        return len(batch["sde_steps"]) * cfg * (2 if self.grpo.kl_beta > 0 else 1)
 
     def _step_weight(self, ro, k: int) -> float:
         """``grpo.step_loss_weight``: 1, or flow_grpo's Wan weight σ_t/√|dt| of SDE step k, with σ_t
@@ -54,6 +67,25 @@ class FlowGRPO(Algorithm):
             sigma_t = sde_std_dev(sigma, sigma_next, a)
         return float(sigma_t / torch.sqrt(sigma - sigma_next))
 
+    def _log_prob(self, transformers, policy: Policy, ro, k: int, chunk: dict):
+        return compute_log_prob(
+            transformers,
+            ro,
+            k,
+            prompt_embeds=chunk["pos"],
+            negative_embeds=chunk["neg"] if self.grpo.train_cfg else None,
+            guidance_scales=policy.guidance_scales,
+            boundary_ratio=policy.boundary_ratio,
+            noise_level=self.rollout.noise_level,
+            expand_timesteps=policy.expand_timesteps,
+            sde_type=self.rollout.sde_type,
+        )
+
+    @torch.no_grad()
+    def _reference_mean(self, policy: Policy, ro, k: int, chunk: dict) -> torch.Tensor:
+        with policy.reference() as transformers:
+            return self._log_prob(transformers, policy, ro, k, chunk)[1]
+
     def accumulate(self, policy: Policy, batch: dict, chunks: list[dict]) -> dict[str, float]:
         num_k = chunks[0]["rollout"].log_probs.shape[1]
         samples = sum(c["rollout"].log_probs.shape[0] for c in chunks)
@@ -64,20 +96,9 @@ class FlowGRPO(Algorithm):
             adv = batch["advantages"][chunk["slice"]]
             weight = ro.log_probs.shape[0] / (samples * num_k)
             for k in range(num_k):
-                log_prob, mean, std = compute_log_prob(
-                    policy.transformers,
-                    ro,
-                    k,
-                    prompt_embeds=chunk["pos"],
-                    negative_embeds=chunk["neg"],
-                    guidance_scales=policy.guidance_scales,
-                    boundary_ratio=policy.boundary_ratio,
-                    noise_level=self.rollout.noise_level,
-                    expand_timesteps=policy.expand_timesteps,
-                    sde_type=self.rollout.sde_type,
-                )
+                log_prob, mean, std = self._log_prob(policy.transformers, policy, ro, k, chunk)
                 old = ro.log_probs[:, k].to(log_prob.device)
-                ref_mean = policy.reference_mean(ro, k, chunk) if self.grpo.kl_beta > 0 else None
+                ref_mean = self._reference_mean(policy, ro, k, chunk) if self.grpo.kl_beta > 0 else None
                 out = grpo_policy_loss(
                     log_prob,
                     old,
@@ -88,6 +109,7 @@ class FlowGRPO(Algorithm):
                     ref_mean=ref_mean,
                     std=std,
                     policy_weight=self._step_weight(ro, k),
+                    old_mean=ro.means[:, k].to(mean.device) if self.ratio_norm else None,
                 )
                 (out.loss * weight).backward()
                 canary += (log_prob.detach() - old).abs().mean().item() * weight
@@ -95,3 +117,14 @@ class FlowGRPO(Algorithm):
                 for key, value in zip(_METRICS, values):
                     sums[key] += float(value.detach()) * weight
         return {**sums, "log_prob_mean_abs_diff": canary}
+
+
+@register_algorithm("grpo_guard")
+class GRPOGuard(FlowGRPO):
+    name = "grpo_guard"
+    ratio_norm = True
+    records_means = True
+
+    def _step_weight(self, ro, k: int) -> float:
+        """GRPO-Guard's gradient reweighting: 1/|dt| of SDE step k."""
+        return float(1.0 / (ro.sigmas[k].double() - ro.sigma_next[k].double()))

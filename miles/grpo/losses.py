@@ -12,6 +12,18 @@ N(mean_ref, std²) of equal std, averaged over latent dims like the log-probs ar
 current flow_grpo, std is the full step std σ_t·sqrt(−dt) (early flow_grpo divided by σ_t²
 alone, which scales the KL by 1/|dt|). Diagnostics (clipfrac, approx_kl, ratio_mean) are
 detached.
+
+GRPO-Guard's ratio normalisation (``old_mean`` given; Wang et al. 2025, arXiv 2510.22319): with
+Δ = mean_new − mean_old and s = std, the per-step log-ratio of two Gaussians of equal std is
+mean_dims(z·Δ)/s − b with b = mean_dims(Δ²)/(2s²) ≥ 0, z the rollout's noise: its mean is
+shifted left by b and its spread scales as 1/s, so it differs by orders of magnitude across
+steps. The normalised log-ratio
+
+    log_ratio_guard = (logp_new − logp_old + b) · s   ( = mean_dims(z·Δ) )
+
+has mean 0 and the same scale at every step; b carries gradient, so the gradient is that of
+mean_dims(z·Δ). This is the formula of verl-omni's GRPOGuardLoss (and of Flow-Factory's
+GRPO-Guard trainer, which computes it).
 """
 
 from __future__ import annotations
@@ -59,12 +71,15 @@ def grpo_policy_loss(
     ref_mean: Tensor | None = None,
     std: Tensor | None = None,
     policy_weight: float = 1.0,
+    old_mean: Tensor | None = None,
 ) -> PolicyLoss:
     """Clipped-ratio loss for one step of B samples: log-probs and advantages are (B,).
 
     With ``beta > 0``, ``mean`` (current policy's SDE mean, with gradient), ``ref_mean``
     (reference policy's) and ``std`` are required. ``policy_weight`` scales the policy term of
-    ``loss`` (a per-step weight; ``policy_loss`` is reported unweighted).
+    ``loss`` (a per-step weight; ``policy_loss`` is reported unweighted). With ``old_mean`` (the
+    rollout's SDE mean of this step), the ratio is GRPO-Guard's normalised one (module docstring);
+    it needs ``mean`` and ``std`` too.
     """
     if not (log_prob.shape == old_log_prob.shape == advantages.shape) or log_prob.ndim != 1:
         raise ValueError(
@@ -72,6 +87,12 @@ def grpo_policy_loss(
             f"{tuple(log_prob.shape)}, {tuple(old_log_prob.shape)}, {tuple(advantages.shape)}"
         )
     log_ratio = log_prob.float() - old_log_prob.float()
+    if old_mean is not None:
+        if mean is None or std is None:
+            raise ValueError("the normalised (GRPO-Guard) ratio needs mean, old_mean and std")
+        s = std.float().reshape(mean.shape[0], -1)[:, 0]
+        bias = ((mean.float() - old_mean.float()) ** 2).mean(dim=tuple(range(1, mean.ndim))) / (2 * s**2)
+        log_ratio = (log_ratio + bias) * s
     ratio = torch.exp(log_ratio)
     adv = advantages.float()
     unclipped = -adv * ratio

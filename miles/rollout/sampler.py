@@ -196,6 +196,8 @@ class Rollout:
     """The K denoising-step indices (into the schedule) of the SDE steps."""
     final_latents: Tensor
     """(B, C, F, H, W): the clean latent at σ = 0, for decoding and reward."""
+    means: Tensor | None = None
+    """(B, K, C, F, H, W): the sampling policy's SDE mean of each step (``record_means``; GRPO-Guard)."""
 
     @property
     def num_sde_steps(self) -> int:
@@ -204,11 +206,12 @@ class Rollout:
     def select(self, batch_indices: Tensor | Sequence[int]) -> Rollout:
         """The rollout restricted to some samples (e.g. a training micro-batch)."""
         idx = torch.as_tensor(batch_indices, dtype=torch.long, device=self.latents.device)
-        per_sample = {"latents", "next_latents", "log_probs", "final_latents"}
+        per_sample = {"latents", "next_latents", "log_probs", "final_latents", "means"}
         return Rollout(
             **{
-                f.name: getattr(self, f.name)[idx] if f.name in per_sample else getattr(self, f.name)
+                f.name: v[idx] if f.name in per_sample and v is not None else v
                 for f in fields(self)
+                for v in [getattr(self, f.name)]
             }
         )
 
@@ -263,6 +266,7 @@ def sample_with_logprob(
     sde_steps: Sequence[int] | None = None,
     expand_timesteps: bool = False,
     sde_type: str = "sde",
+    record_means: bool = False,
 ) -> Rollout:
     """Denoise a batch from noise to σ = 0, recording the SDE steps.
 
@@ -281,6 +285,7 @@ def sample_with_logprob(
             distributed trainer picks them once for all ranks so expert routing matches everywhere.
         expand_timesteps: per-token timesteps (Wan2.2 TI2V).
         sde_type: ``sde`` (Flow-GRPO's SDE) or ``cps`` (coefficients-preserving sampling).
+        record_means: also keep each SDE step's mean (``Rollout.means``, for GRPO-Guard's ratio).
     """
     if not 1 <= len(transformers) <= 2:
         raise ValueError(f"expected 1 or 2 transformers, got {len(transformers)}")
@@ -308,7 +313,7 @@ def sample_with_logprob(
         )
     x = latents.float()
 
-    rec_latents, rec_next, rec_logp = [], [], []
+    rec_latents, rec_next, rec_logp, rec_mean = [], [], [], []
     sde_steps = set(steps)
     for i in range(num_steps):
         v = predict_velocity(
@@ -326,6 +331,8 @@ def sample_with_logprob(
             rec_latents.append(x)
             rec_next.append(step.prev_sample)
             rec_logp.append(step.log_prob)
+            if record_means:
+                rec_mean.append(step.mean)
             x = step.prev_sample
         else:
             x = ode_step(v, x, sigmas[i], sigmas[i + 1])
@@ -341,6 +348,7 @@ def sample_with_logprob(
         sigma_next=sigmas[k_idx + 1],
         step_indices=steps,
         final_latents=x,
+        means=(torch.stack(rec_mean, dim=1) if steps else empty.clone()) if record_means else None,
     )
 
 

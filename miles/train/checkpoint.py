@@ -51,18 +51,23 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def _model_state(models: nn.Module, optimizer: torch.optim.Optimizer, ema=None) -> dict:
+def _model_state(models: nn.Module, optimizer: torch.optim.Optimizer, **extras) -> dict:
+    """Weights and optimizer state, plus ``extras`` (name -> object with ``state_dict``; None: left out)."""
     model_sd, optim_sd = get_state_dict(models, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
-    if ema is not None:
-        state["ema"] = ema.state_dict()
+    state.update({name: obj.state_dict() for name, obj in extras.items() if obj is not None})
     return state
+
+
+def has_state(path: Path, name: str) -> bool:
+    """Whether the checkpoint at ``path`` holds the extra state ``name`` (``ema``, ``old_policy``)."""
+    meta = dcp.FileSystemReader(str(path)).read_metadata()
+    return any(k.startswith(f"{name}.") for k in meta.state_dict_metadata)
 
 
 def has_ema(path: Path) -> bool:
     """Whether the checkpoint at ``path`` holds an EMA of the weights (``train.ema_decay``)."""
-    meta = dcp.FileSystemReader(str(path)).read_metadata()
-    return any(k.startswith("ema.") for k in meta.state_dict_metadata)
+    return has_state(path, "ema")
 
 
 def save_checkpoint(
@@ -73,8 +78,10 @@ def save_checkpoint(
     trainer_state: dict,
     keep: int,
     ema=None,
+    old_policy=None,
 ) -> Path:
-    """Collective: every rank writes its shards; rank 0 finalises. Returns the checkpoint path."""
+    """Collective: every rank writes its shards; rank 0 finalises. Returns the checkpoint path.
+    ``ema`` / ``old_policy``: the EMA of the weights and the old policy, saved where given."""
     root = checkpoint_dir(run_dir)
     final = root / f"step_{step:06d}"
     partial = root / f"step_{step:06d}.partial"
@@ -91,7 +98,7 @@ def save_checkpoint(
         if final.exists():
             shutil.rmtree(final)
     dist.barrier()
-    dcp.save(_model_state(models, optimizer, ema), checkpoint_id=str(partial))
+    dcp.save(_model_state(models, optimizer, ema=ema, old_policy=old_policy), checkpoint_id=str(partial))
     dist.barrier()
     if rank == 0:
         with open(partial / "trainer.json", "w") as f:
@@ -104,17 +111,25 @@ def save_checkpoint(
     return final
 
 
-def load_checkpoint(path: Path, models: nn.Module, optimizer: torch.optim.Optimizer, ema=None) -> dict:
+def load_checkpoint(
+    path: Path, models: nn.Module, optimizer: torch.optim.Optimizer, ema=None, old_policy=None
+) -> dict:
     """Collective: load weights and optimizer state into the (already sharded) models, and the EMA
-    where ``ema`` is given and the checkpoint holds one; returns the trainer state saved with them."""
+    and the old policy where given and the checkpoint holds them; returns the trainer state saved
+    with them."""
     path = Path(path)
     if not (path / "COMPLETE").is_file():
         raise ValueError(f"{path} is not a complete checkpoint (no COMPLETE marker)")
-    state = _model_state(models, optimizer, ema if ema is not None and has_ema(path) else None)
+    extras = {
+        name: obj
+        for name, obj in (("ema", ema), ("old_policy", old_policy))
+        if obj is not None and has_state(path, name)
+    }
+    state = _model_state(models, optimizer, **extras)
     dcp.load(state, checkpoint_id=str(path))
     set_state_dict(models, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    if "ema" in state:
-        ema.load_state_dict(state["ema"])
+    for name, obj in extras.items():
+        obj.load_state_dict(state[name])
     return json.loads((path / "trainer.json").read_text())
 
 

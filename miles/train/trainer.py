@@ -42,10 +42,11 @@ from miles.parallel.fsdp import apply_fsdp, unsharded_for_rollout
 from miles.parallel.topology import ParallelDims, build_parallel_mesh, resolve_ulysses_degree
 from miles.parallel.topology_checks import check_ulysses_within_node, local_world_size_from_env
 from miles.rewards import build_rewards
-from miles.rollout.sampler import Rollout, compute_log_prob, sample_with_logprob
+from miles.rollout.sampler import sample_with_logprob
 from miles.sequence_parallel import apply_sequence_parallel, validate_sp_args
 from miles.train.checkpoint import (
     has_ema,
+    has_state,
     latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
@@ -54,6 +55,7 @@ from miles.train.checkpoint import (
 from miles.train.ema import EMA
 from miles.train.export import export_pipeline
 from miles.train.logging import MetricsLogger, print0
+from miles.train.old_policy import OldPolicy
 from miles.train.run_dir import check_run_dir, clear_run_dir
 
 
@@ -151,14 +153,16 @@ class Trainer:
             "ignore", message=r"FSDP2-wrapped module \(FSDPWanTransformer3DModel\) returned a view"
         )
         self.num_tokens = self.model.num_tokens(cfg.rollout.num_frames, cfg.rollout.height, cfg.rollout.width)
-        self._parallelize()
         self.algorithm = build_algorithm(cfg)
+        self._parallelize()
         self.policy = Policy(
             transformers=self.model.transformers,
             guidance_scales=self._guidance_scales(),
             boundary_ratio=self.model.boundary_ratio,
             expand_timesteps=self.model.expand_timesteps,
-            reference_mean=self._reference_mean,
+            reference=self._reference_experts if self.algorithm.uses_reference else None,
+            generator=self._generator,
+            old=self.old_policy,
         )
         if self.compile_blocks:
             print0("[miles] torch.compile per block: the first rollout and train step include compile time")
@@ -275,8 +279,9 @@ class Trainer:
         cfg = self.cfg
         # A full fine-tune with a KL term keeps a frozen copy of the initial weights, sharded alike.
         self.reference = None
-        if cfg.grpo.kl_beta > 0 and cfg.model.lora_rank == 0:
+        if self.algorithm.uses_reference and cfg.model.lora_rank == 0:
             self.reference = [copy.deepcopy(t).requires_grad_(False).eval() for t in self.model.transformers]
+        old = []  # the old policy's experts (DiffusionNFT), copied with their adapters
         for i, transformer in enumerate(self.model.transformers):
             if cfg.model.lora_rank > 0:
                 from peft import LoraConfig
@@ -292,6 +297,8 @@ class Trainer:
                 )
             else:
                 transformer.requires_grad_(True)
+            if self.algorithm.uses_old_policy:
+                old.append(copy.deepcopy(transformer))
             if self.attention_backend is not None:
                 transformer.set_attention_backend(self.attention_backend)
             transformer.train()
@@ -306,6 +313,19 @@ class Trainer:
                 compile_blocks=self.compile_blocks,
             )
             self.model.transformers[i] = transformer
+        for copy_ in old:  # parallelised exactly like its twin: the same local shards
+            if self.attention_backend is not None:
+                copy_.set_attention_backend(self.attention_backend)
+            self._install_sp(copy_)
+            apply_fsdp(
+                copy_,
+                self.mesh.fsdp_mesh,
+                param_dtype=self.compute_dtype,
+                reduce_dtype=torch.float32,
+                reshard_after_forward=cfg.parallel.reshard_after_forward,
+                compile_blocks=self.compile_blocks,
+            )
+        self.old_policy = OldPolicy(old, self.model.transformers) if old else None
         for ref in self.reference or []:
             if self.attention_backend is not None:
                 ref.set_attention_backend(self.attention_backend)
@@ -350,9 +370,10 @@ class Trainer:
         sde_gens = [self._generator(3, self.rollout_index, k) for k in sample_ids]
         dtype = DTYPES[cfg.model.dtype]
         chunks: list[dict] = []
+        experts = self.algorithm.rollout_transformers(self.policy)
         with (
             unsharded_for_rollout(
-                self.model.transformers,
+                experts,
                 enabled=cfg.parallel.rollout_unsharded,
                 reshard_after_forward=cfg.parallel.reshard_after_forward,
             ),
@@ -366,7 +387,7 @@ class Trainer:
                     prompts[sl], cfg.data.negative_prompt, cfg.data.max_sequence_length, self.device
                 )
                 ro = sample_with_logprob(
-                    self.model.transformers,
+                    experts,
                     pos.to(dtype),
                     neg.to(dtype),
                     latent_shape,
@@ -380,9 +401,17 @@ class Trainer:
                     sde_steps=sde_steps,
                     expand_timesteps=self.model.expand_timesteps,
                     sde_type=r.sde_type,
+                    record_means=self.algorithm.records_means,
                 )
                 chunks.append({"slice": sl, "pos": pos.to(dtype), "neg": neg.to(dtype), "rollout": ro})
-        return {"prompts": prompts, "group_ids": group_ids, "chunks": chunks, "sde_steps": sde_steps}
+        return {
+            "prompts": prompts,
+            "group_ids": group_ids,
+            "sample_ids": torch.as_tensor(sample_ids),
+            "rollout_index": self.rollout_index,
+            "chunks": chunks,
+            "sde_steps": sde_steps,
+        }
 
     def _step_major_order(self, n: int) -> list[int]:
         """The order of this rank's samples, so that consecutive optimizer steps take the same
@@ -506,24 +535,17 @@ class Trainer:
             stats.append(self._mean_over_dp(row))
         return stats
 
-    @torch.no_grad()
-    def _reference_mean(self, ro: Rollout, k: int, chunk: dict) -> torch.Tensor:
-        """The SDE mean of the reference (initial) policy: LoRA adapters off, or the frozen copy."""
-        kwargs = dict(
-            prompt_embeds=chunk["pos"],
-            negative_embeds=chunk["neg"],
-            guidance_scales=self._guidance_scales(),
-            boundary_ratio=self.model.boundary_ratio,
-            noise_level=self.cfg.rollout.noise_level,
-            expand_timesteps=self.model.expand_timesteps,
-            sde_type=self.cfg.rollout.sde_type,
-        )
+    @contextlib.contextmanager
+    def _reference_experts(self):
+        """The reference (initial) policy's experts: the frozen copy, or the LoRA model with its
+        adapters off for the duration of the context."""
         if self.reference is not None:
-            return compute_log_prob(self.reference, ro, k, **kwargs)[1]
+            yield self.reference
+            return
         for t in self.model.transformers:
             t.disable_adapters()
         try:
-            return compute_log_prob(self.model.transformers, ro, k, **kwargs)[1]
+            yield self.model.transformers
         finally:
             for t in self.model.transformers:
                 t.enable_adapters()
@@ -570,6 +592,7 @@ class Trainer:
             self._trainer_state(),
             self.cfg.train.keep_checkpoints,
             ema=self.ema,
+            old_policy=self.old_policy,
         )
         self._saved_step = self.step
         print0(f"[miles] checkpoint saved: {path}{self._digest_note()}")
@@ -582,7 +605,11 @@ class Trainer:
     def _resume(self, path: Path) -> None:
         if self.ema is not None and not has_ema(path):
             print0(f"[miles] {path} holds no EMA: the EMA starts from its weights")
-        state = load_checkpoint(path, self.experts, self.optimizer, ema=self.ema)
+        if self.old_policy is not None and not has_state(path, "old_policy"):
+            print0(f"[miles] {path} holds no old policy: it starts from the checkpoint's weights")
+        state = load_checkpoint(path, self.experts, self.optimizer, ema=self.ema, old_policy=self.old_policy)
+        if self.old_policy is not None and not has_state(path, "old_policy"):
+            self.old_policy.soft_update(0.0)
         self.step, self.rollout_index = state["step"], state["rollout_index"]
         self.sampler.load_state_dict(state["sampler"])
         self.logger.truncate_after(self.step)
@@ -615,6 +642,7 @@ class Trainer:
                 batch = self.score(batch)
                 t2 = time.perf_counter()
                 step_stats = self.train_on(batch)
+                after = self.algorithm.after_rollout(self.policy, self.step)
             except NonFiniteError as e:
                 # Nothing of this rollout is saved: the last complete checkpoint stays the good one.
                 last = latest_checkpoint(self.run_dir)
@@ -622,7 +650,7 @@ class Trainer:
                     f"{e}. Stopped without saving; the last good checkpoint is {last or 'none (none was saved)'}"
                 ) from None
             t3 = time.perf_counter()
-            self._log(batch, step_stats, t1 - t0, t2 - t1, t3 - t2)
+            self._log(batch, step_stats, after, t1 - t0, t2 - t1, t3 - t2)
             self.rollout_index += 1
             bar.update(1)
             if cfg.eval.every and self.rollout_index % cfg.eval.every == 0:
@@ -693,12 +721,18 @@ class Trainer:
         )
 
     def _log(
-        self, batch: dict, step_stats: list[dict], t_rollout: float, t_reward: float, t_train: float
+        self,
+        batch: dict,
+        step_stats: list[dict],
+        after: dict,
+        t_rollout: float,
+        t_reward: float,
+        t_train: float,
     ) -> None:
         cfg = self.cfg
         rewards = batch["reward_all"]
         adv = batch["advantages_all"]
-        num_k = len(batch["sde_steps"])
+        forwards = self.algorithm.forwards_per_sample(batch)
         samples = rewards.numel()
         metrics = {
             "rollout": self.rollout_index,
@@ -713,9 +747,10 @@ class Trainer:
             "time/reward_s": t_reward,
             "time/train_s": t_train,
             "time/step_s": t_train / len(step_stats),
-            # CFG doubles the tokens of every forward; training runs one forward per SDE step.
-            "perf/train_tokens_per_s": samples * num_k * 2 * self.num_tokens / max(t_train, 1e-9),
+            # every training forward (with or without gradient; CFG counts twice), per second
+            "perf/train_tokens_per_s": samples * forwards * self.num_tokens / max(t_train, 1e-9),
             "memory/peak_gib": peak_memory_gib(self.device),
+            **{f"train/{k}": v for k, v in after.items()},
         }
         for name, values in batch["per_reward_all"].items():
             metrics[f"reward/{name}/mean"] = values.mean()
@@ -725,12 +760,13 @@ class Trainer:
             row_metrics = {f"train/{k}": v for k, v in row.items()}
             self.logger.log({**metrics, **row_metrics} if i == 0 else row_metrics, step=step)
         first = step_stats[0]
+        shown = [k for k in ("clipfrac", "old_deviation", "log_prob_mean_abs_diff") if k in first]
         print0(
             f"[rollout {self.rollout_index}] step {self.step} reward mean={float(rewards.mean()):.4f} "
             f"std={float(rewards.std()):.4f} min={float(rewards.min()):.4f} max={float(rewards.max()):.4f} "
-            f"loss={first['loss']:.3e} clipfrac={first['clipfrac']:.3f} "
-            f"log_prob_mean_abs_diff={first['log_prob_mean_abs_diff']:.3e} grad_norm={first['grad_norm']:.3e} "
-            f"step_time={t_train / len(step_stats):.2f}s"
+            f"loss={first['loss']:.3e} "
+            + "".join(f"{k}={first[k]:.3e} " for k in shown)
+            + f"grad_norm={first['grad_norm']:.3e} step_time={t_train / len(step_stats):.2f}s"
         )
         every = cfg.run.log_video_every
         if every and self.rank == 0 and self.rollout_index % every == 0 and batch["videos"] is not None:

@@ -1,0 +1,143 @@
+"""DiffusionNFT (Zheng et al. 2025, arXiv 2509.16117): online RL on the forward process.
+
+Rollouts are plain samples of the *old* policy (ODE by default: no SDE steps, no log-probs,
+any solver); only their clean latents x0 and rewards are kept. Each reward becomes an
+optimality probability r = clip(A/(2·A_max) + 1/2, 0, 1) from its group-normalised advantage
+A (clipped at A_max = ``grpo.adv_clip_max``). Training noises x0 along the forward path,
+x_σ = (1 − σ)·x0 + σ·ε, at ⌊fraction·T⌋ of the rollout's T denoising levels, and fits the
+conditional velocity (CFG-free) with the implicit positive and negative policies
+
+    v⁺ = β·v_θ + (1 − β)·v_old,        v⁻ = (1 + β)·v_old − β·v_θ
+    x̂0± = x_σ − σ·v±,                  ℓ± = mean((x̂0± − x0)²) / sg(mean|x̂0± − x0|)
+    loss = A_max · mean_samples( (r·ℓ⁺ + (1 − r)·ℓ⁻) / β )  [+ κ·mean((v_θ − v_ref)²)]
+
+(the x0-space loss with its adaptive weight, as the reference implementation forms it). After a
+rollout's optimizer steps the old policy moves towards the trained weights,
+θ_old ← d·θ_old + (1 − d)·θ, with d = min(rate·max(step − flat, 0), d_max) (0 before ``flat``):
+the reference's ``decay_type`` schedules are (flat, rate, d_max) = (0, 0, 0), (0, 0.001, 0.5),
+(75, 0.0075, 0.999). The old policy samples the rollouts.
+
+Layout independence: the forward-process noise of a sample is drawn from a generator keyed by
+its global index, and each micro-batch draws its levels (one per pass, shared by its samples,
+so expert routing is per pass as in the rollout) from a generator keyed by its first sample.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from miles.algorithms import register_algorithm
+from miles.algorithms.base import Algorithm, Policy
+from miles.rollout.sampler import NUM_TRAIN_TIMESTEPS, flow_sigmas, predict_velocity
+
+_METRICS = ("loss", "policy_loss", "positive_loss", "negative_loss", "old_deviation", "kl")
+
+
+def optimality(advantages: Tensor, adv_clip_max: float) -> Tensor:
+    """r = clip(clip(A, ±A_max)/(2·A_max) + 1/2, 0, 1): the group advantage as a probability."""
+    a = advantages.float().clamp(-adv_clip_max, adv_clip_max)
+    return (a / adv_clip_max / 2.0 + 0.5).clamp(0.0, 1.0)
+
+
+def _x0_loss(x0_pred: Tensor, x0: Tensor) -> Tensor:
+    """Per-sample mean squared x0 error over its detached mean absolute error (≥ 1e-5)."""
+    dims = tuple(range(1, x0.ndim))
+    with torch.no_grad():
+        scale = (x0_pred.double() - x0.double()).abs().mean(dim=dims, keepdim=True).clamp(min=1e-5)
+    return ((x0_pred - x0) ** 2 / scale).mean(dim=dims)
+
+
+def nft_loss(
+    v: Tensor, v_old: Tensor, x_t: Tensor, x0: Tensor, sigma: float | Tensor, r: Tensor, beta: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(loss, ℓ⁺, ℓ⁻), each (B,): the per-sample DiffusionNFT loss (r·ℓ⁺ + (1 − r)·ℓ⁻)/β
+    before the A_max scale. ``v`` carries the gradient; ``v_old`` is detached here."""
+    v, v_old = v.float(), v_old.detach().float()
+    positive = beta * v + (1.0 - beta) * v_old
+    negative = (1.0 + beta) * v_old - beta * v
+    pos = _x0_loss(x_t - sigma * positive, x0)
+    neg = _x0_loss(x_t - sigma * negative, x0)
+    return (r * pos + (1.0 - r) * neg) / beta, pos, neg
+
+
+def old_decay(step: int, rate: float, max_decay: float, flat: int) -> float:
+    """The old policy's soft-update decay after ``step`` optimizer steps (module docstring)."""
+    return 0.0 if step < flat else min((step - flat) * rate, max_decay)
+
+
+@register_algorithm("diffusion_nft")
+class DiffusionNFT(Algorithm):
+    name = "diffusion_nft"
+    uses_old_policy = True
+
+    def __init__(self, cfg):
+        self.nft, self.rollout, self.grpo = cfg.nft, cfg.rollout, cfg.grpo
+        self.uses_reference = cfg.nft.kl_beta > 0
+        T = cfg.rollout.num_steps
+        self.sigmas = flow_sigmas(T, cfg.rollout.shift)[:T]  # the T noise levels of the rollout
+        self.num_levels = max(1, int(self.nft.timestep_fraction * T))
+
+    def sde_steps(self, num_steps: int, generator: torch.Generator) -> list[int]:
+        return []  # ODE rollouts: nothing but the clean samples is recorded
+
+    def forwards_per_sample(self, batch: dict) -> int:
+        return self.num_levels * (3 if self.nft.kl_beta > 0 else 2)
+
+    def after_rollout(self, policy: Policy, step: int) -> dict[str, float]:
+        n = self.nft
+        decay = old_decay(step, n.old_decay_rate, n.old_decay_max, n.old_decay_flat)
+        policy.old.soft_update(decay)
+        return {"old_decay": decay}
+
+    def _velocity(self, transformers, policy: Policy, x: Tensor, sigma: Tensor, chunk: dict) -> Tensor:
+        return predict_velocity(
+            transformers,
+            x,
+            sigma * NUM_TRAIN_TIMESTEPS,
+            chunk["pos"],
+            None,  # CFG-free: the conditional velocity is the policy
+            policy.guidance_scales,
+            policy.boundary_ratio,
+            policy.expand_timesteps,
+        )
+
+    def _draws(self, policy: Policy, batch: dict, chunk: dict, x0: Tensor) -> tuple[Tensor, list[Tensor]]:
+        """The micro-batch's noise levels and, per level, its forward-process noise (fp32)."""
+        ids = batch["sample_ids"][chunk["slice"]].tolist()
+        rollout = batch["rollout_index"]
+        pick = torch.randperm(len(self.sigmas), generator=policy.generator(5, rollout, ids[0]))
+        gens = [policy.generator(6, rollout, i) for i in ids]
+        noise = [
+            torch.stack([torch.randn(x0.shape[1:], generator=g) for g in gens]).to(x0.device)
+            for _ in range(self.num_levels)
+        ]
+        return self.sigmas[pick[: self.num_levels]].to(x0.device), noise
+
+    def accumulate(self, policy: Policy, batch: dict, chunks: list[dict]) -> dict[str, float]:
+        n, a_max = self.nft, self.grpo.adv_clip_max
+        samples = sum(c["rollout"].final_latents.shape[0] for c in chunks)
+        sums = dict.fromkeys(_METRICS, 0.0)
+        for chunk in chunks:
+            x0 = chunk["rollout"].final_latents.float()
+            r = optimality(batch["advantages"][chunk["slice"]], a_max).to(x0.device)
+            weight = x0.shape[0] / (samples * self.num_levels)
+            sigmas, noises = self._draws(policy, batch, chunk, x0)
+            for sigma, noise in zip(sigmas, noises):
+                x_t = (1.0 - sigma) * x0 + sigma * noise
+                with torch.no_grad():
+                    v_old = self._velocity(policy.old.transformers, policy, x_t, sigma, chunk)
+                v = self._velocity(policy.transformers, policy, x_t, sigma, chunk)
+                per_sample, pos, neg = nft_loss(v, v_old, x_t, x0, sigma, r, n.beta)
+                policy_loss = a_max * per_sample.mean()
+                kl = torch.zeros((), device=x0.device)
+                if n.kl_beta > 0:
+                    with torch.no_grad(), policy.reference() as reference:
+                        v_ref = self._velocity(reference, policy, x_t, sigma, chunk)
+                    kl = ((v.float() - v_ref.float()) ** 2).mean()
+                loss = policy_loss + n.kl_beta * kl
+                (loss * weight).backward()
+                values = (loss, policy_loss, pos.mean(), neg.mean(), ((v - v_old) ** 2).mean(), kl)
+                for key, value in zip(_METRICS, values):
+                    sums[key] += float(value.detach()) * weight
+        return sums
