@@ -1,5 +1,5 @@
-"""The learning benchmark: GRPO on the tiny world, CPU, through torchrun, in two layouts, with a
-negative control.
+"""The learning benchmark: the RL algorithms on the tiny world, CPU, through torchrun, in two
+layouts, with negative controls.
 
     python bench/learning.py --out bench/results/learning            # ~the table in docs/learning.md
     python bench/learning.py --out /tmp/l --num-rollouts 10 --runs dp4 dp4-negated
@@ -12,7 +12,14 @@ seeds, ODE sampling) in deterministic mode with 4 CPU processes:
 - ``dp2xsp2``: 2 dp ranks x sp 2 (Ulysses) — the same global batch (prompts-per-rank 2 at dp4 is
   8 prompt groups; at dp2 x sp2 prompts-per-rank 4), so its curve must coincide with dp4's;
 - ``dp4-negated``: dp4 with ``grpo.negate_advantages`` — the same run pushed away from the
-  reward, which must not rise.
+  reward, which must not rise;
+- ``nft-dp4``, ``nft-dp2xsp2``, ``nft-dp4-negated``: the same three with DiffusionNFT
+  (``algorithm.name diffusion_nft``), CFG-free as the method is (rollout and eval at guidance 1);
+- ``guard-dp4``: GRPO-Guard; ``cps-dp4``: Flow-GRPO with CPS sampling; ``nocfg-dp4``: Flow-GRPO
+  trained and rolled out without CFG (``grpo.train_cfg false``, guidance 1: NFT's setting).
+
+Every run keeps the recipe's optimizer, learning rate, batch and evaluation: nothing is tuned per
+method.
 
 Writes ``learning.json`` (per run: per-step training reward, every held-out evaluation with its
 step and wall time, the run's wall time), ``learning.png`` (held-out adherence against optimizer
@@ -37,6 +44,18 @@ RUNS = {
     "dp2xsp2": ["--data.prompts-per-rank", "4", "--sequence-parallel-size", "2", "--ulysses-degree", "2"],
     "dp4-negated": ["--data.prompts-per-rank", "2", "--grpo.negate-advantages"],
 }
+_NFT = ["--algorithm.name", "diffusion_nft", "--rollout.guidance-scale", "1.0"]
+RUNS.update(
+    {
+        "nft-dp4": [*RUNS["dp4"], *_NFT],
+        "nft-dp2xsp2": [*RUNS["dp2xsp2"], *_NFT],
+        "nft-dp4-negated": [*RUNS["dp4-negated"], *_NFT],
+        "guard-dp4": [*RUNS["dp4"], "--algorithm.name", "grpo_guard"],
+        "cps-dp4": [*RUNS["dp4"], "--rollout.sde-type", "cps"],
+        "nocfg-dp4": [*RUNS["dp4"], "--grpo.no-train-cfg", "--rollout.guidance-scale", "1.0"],
+    }
+)
+DEFAULT_RUNS = ["dp4", "dp2xsp2", "dp4-negated"]
 
 
 def command(out: Path, name: str, flags: list[str], num_rollouts: int, extra: list[str]) -> list[str]:
@@ -117,7 +136,7 @@ def plot(results: dict, path: Path) -> None:
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.suptitle("GRPO on the tiny world (configs/world_cpu.yaml): held-out prompts, ODE, fixed seeds")
+    fig.suptitle("RL on the tiny world (configs/world_cpu.yaml): held-out prompts, ODE, fixed seeds")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -137,16 +156,32 @@ def table(results: dict, target: float) -> str:
         )
     lines.append("")
     lines.append(
-        f"Target: the error of the GRPO runs at most ×{target:.2f} of the baseline's; the negated run must not rise."
+        f"Target: the error of the trained runs at most ×{target:.2f} of the baseline's; the negated runs must not rise."
     )
+    if "dp4" in results and "nft-dp4" in results:
+        lines.append("")
+        lines.append(nft_vs_grpo(results["dp4"], results["nft-dp4"]))
     return "\n".join(lines)
+
+
+def nft_vs_grpo(grpo: dict, nft: dict) -> str:
+    """The issue's efficiency target: DiffusionNFT reaching Flow-GRPO's final held-out adherence in
+    at most a third of Flow-GRPO's wall time."""
+    goal, budget = grpo["eval"][-1]["adherence"], grpo["eval"][-1]["time_s"] / 3
+    reached = next((e for e in nft["eval"] if e["adherence"] >= goal), None)
+    when = f"at {reached['time_s']:.0f} s (step {reached['step']})" if reached else "never"
+    ok = reached is not None and reached["time_s"] <= budget
+    return (
+        f"DiffusionNFT vs Flow-GRPO (dp4): Flow-GRPO's final held-out adherence {goal:.3f}; NFT reaches it "
+        f"{when}; a third of Flow-GRPO's time is {budget:.0f} s: target {'met' if ok else 'missed'}."
+    )
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--num-rollouts", type=int, default=20)
-    p.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
+    p.add_argument("--runs", nargs="+", default=DEFAULT_RUNS, choices=list(RUNS))
     p.add_argument("--target", type=float, default=0.5, help="final held-out error / baseline error")
     p.add_argument("--parallel", action="store_true", help="run the launches at once (needs >= 12 cores)")
     p.add_argument("extra", nargs="*", help="further train_grpo.py flags (after --)")
