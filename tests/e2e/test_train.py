@@ -45,13 +45,13 @@ REQUIRED = [
 ]
 
 
-def _launch(tmp_path: Path, name: str, *flags: str) -> Path:
+def _launch(tmp_path: Path, name: str, *flags: str, nproc: int = 4) -> Path:
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", WANDB_MODE="offline", WANDB_SILENT="true")
     cmd = [
         TORCHRUN,
         "--standalone",
         "--nproc-per-node",
-        "4",
+        str(nproc),
         "train_grpo.py",
         "--config",
         "configs/tiny_cpu.yaml",

@@ -1,0 +1,72 @@
+"""DiffusionNFT and GRPO-Guard end to end through torchrun (4 CPU processes, tiny model).
+
+- DiffusionNFT at dp2 (2 processes) and at dp2 x sp2 (Ulysses, 4 processes) in deterministic
+  mode: sequence parallelism changes neither the rollouts (sampled by the old policy) nor any
+  optimizer step's loss and gradient norm; the old policy's decay follows its schedule and the
+  checkpoint holds the old policy.
+- DiffusionNFT at dp4 against dp2 x sp2 on the same global batch: a known defect, marked xfail
+  (strict): the first step's loss differs by ~0.5% between dp layouts (the rollouts agree).
+- GRPO-Guard at dp2 x sp2: its first step runs with the sampling weights, so its normalised ratio
+  is exactly 1 and the log-prob canary 0; the second step's ratio moves.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch.distributed.checkpoint as dcp
+
+from tests.e2e.test_train import _launch
+
+pytestmark = pytest.mark.e2e
+
+NFT = ["--algorithm.name", "diffusion_nft", "--rollout.guidance-scale", "1.0", "--deterministic-mode"]
+SP2 = ["--sequence-parallel-size", "2", "--ulysses-degree", "2"]
+
+
+def _rows(run):
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _agree(first: list[dict], second: list[dict]) -> None:
+    assert [r["step"] for r in first] == [r["step"] for r in second] == [1, 2, 3, 4]
+    for a, b in zip(first, second):
+        for key in ("reward/mean", "train/loss", "train/grad_norm", "train/positive_loss"):
+            if key in a:
+                assert math.isclose(a[key], b[key], rel_tol=1e-3), (
+                    key,
+                    a[key],
+                    b[key],
+                )  # the GRPO bands tolerance
+
+
+def test_nft_sequence_parallel_parity(tmp_path):
+    dp2 = _rows(_launch(tmp_path, "nft_dp2", *NFT, "--train.no-export", nproc=2))
+    run = _launch(tmp_path, "nft_dp2sp2", *NFT, *SP2, "--train.no-export")
+    sp = _rows(run)
+    _agree(dp2, sp)
+    firsts = [r for r in sp if "reward/mean" in r]
+    assert [r["train/old_decay"] for r in firsts] == pytest.approx([0.002, 0.004])  # 0.001 * step
+    assert firsts[0]["train/old_deviation"] == 0.0  # the first step: old and trained weights equal
+    assert firsts[1]["train/old_deviation"] > 0.0  # the old policy lags after the soft update
+    meta = dcp.FileSystemReader(str(run / "checkpoints" / "step_000004")).read_metadata()
+    assert any(k.startswith("old_policy.") for k in meta.state_dict_metadata)
+
+
+@pytest.mark.xfail(strict=True, reason="DiffusionNFT's loss depends on the dp layout (~0.5% at step 1); open")
+def test_nft_dp_layouts_agree(tmp_path):
+    dp4 = _rows(_launch(tmp_path, "nft_dp4", *NFT, "--train.no-export"))
+    sp = _rows(
+        _launch(tmp_path, "nft_dp2sp2", *NFT, *SP2, "--data.prompts-per-rank", "4", "--train.no-export")
+    )
+    _agree(dp4, sp)
+
+
+def test_grpo_guard_trains(tmp_path):
+    rows = _rows(_launch(tmp_path, "guard", "--algorithm.name", "grpo_guard", *SP2, "--train.no-export"))
+    firsts = [r for r in rows if "reward/mean" in r]
+    assert [r["train/ratio"] for r in firsts] == [1.0, 1.0]
+    assert all(r["train/log_prob_mean_abs_diff"] == 0.0 for r in firsts)
+    assert any(r["train/ratio"] != 1.0 for r in rows if "reward/mean" not in r)
