@@ -61,8 +61,11 @@ class Algorithm(abc.ABC):
     @abc.abstractmethod
     def accumulate(self, policy: Policy, batch: dict, chunks: list[dict]) -> dict[str, float]:
         """Backpropagate the loss of one optimizer step over ``chunks`` (its micro-batches of the
-        rollout ``batch``) into the gradients; return the step's metrics (sample-weighted means),
-        with ``loss`` among them and ``log_prob_mean_abs_diff`` where the algorithm has one."""
+        rollout ``batch``; ``batch["step_in_rollout"]`` is the step's index in the rollout) into
+        the gradients. Every rank must run the same experts in the same order (FSDP's collectives
+        pair up by call order), so anything that routes a pass is drawn alike on every rank.
+        Return the step's metrics (sample-weighted means), with ``loss`` among them and
+        ``log_prob_mean_abs_diff`` where the algorithm has one."""
 
     @abc.abstractmethod
     def forwards_per_sample(self, batch: dict) -> int:

@@ -18,8 +18,11 @@ the reference's ``decay_type`` schedules are (flat, rate, d_max) = (0, 0, 0), (0
 (75, 0.0075, 0.999). The old policy samples the rollouts.
 
 Layout independence: the forward-process noise of a sample is drawn from a generator keyed by
-its global index, and each micro-batch draws its levels (one per pass, shared by its samples,
-so expert routing is per pass as in the rollout) from a generator keyed by its first sample.
+its global index. The noise levels are drawn once per optimizer step (keyed by the rollout and
+the step's index in it) and shared by every micro-batch of the step on every rank: with two
+experts the level decides which expert runs a pass, so every rank must run the same expert at
+the same pass for FSDP's collectives to pair up (levels drawn per micro-batch let ranks all-gather
+different experts' shards into one another: a silent, dp-dependent error).
 """
 
 from __future__ import annotations
@@ -103,10 +106,13 @@ class DiffusionNFT(Algorithm):
         )
 
     def _draws(self, policy: Policy, batch: dict, chunk: dict, x0: Tensor) -> tuple[Tensor, list[Tensor]]:
-        """The micro-batch's noise levels and, per level, its forward-process noise (fp32)."""
+        """The step's noise levels (the same on every rank) and, per level, the micro-batch's
+        forward-process noise (fp32)."""
         ids = batch["sample_ids"][chunk["slice"]].tolist()
         rollout = batch["rollout_index"]
-        pick = torch.randperm(len(self.sigmas), generator=policy.generator(5, rollout, ids[0]))
+        pick = torch.randperm(
+            len(self.sigmas), generator=policy.generator(5, rollout, batch["step_in_rollout"])
+        )
         gens = [policy.generator(6, rollout, i) for i in ids]
         noise = [
             torch.stack([torch.randn(x0.shape[1:], generator=g) for g in gens]).to(x0.device)

@@ -275,64 +275,59 @@ class Trainer:
         apply_sequence_parallel(transformer, self.mesh, plan=plan)
 
     def _parallelize(self) -> None:
-        """LoRA → attention backend → SP install → FSDP2 (per block, then root), per expert."""
+        """LoRA, then attention backend → SP install → FSDP2 (per block, then root), per expert;
+        the old policy's and the reference's copies are sharded alike (the same local shards)."""
         cfg = self.cfg
         # A full fine-tune with a KL term keeps a frozen copy of the initial weights, sharded alike.
         self.reference = None
         if self.algorithm.uses_reference and cfg.model.lora_rank == 0:
             self.reference = [copy.deepcopy(t).requires_grad_(False).eval() for t in self.model.transformers]
         old = []  # the old policy's experts (DiffusionNFT), copied with their adapters
-        for i, transformer in enumerate(self.model.transformers):
-            if cfg.model.lora_rank > 0:
-                from peft import LoraConfig
-
-                transformer.requires_grad_(False)
-                transformer.add_adapter(
-                    LoraConfig(
-                        r=cfg.model.lora_rank,
-                        lora_alpha=cfg.model.lora_alpha,
-                        init_lora_weights="gaussian",
-                        target_modules=cfg.model.lora_target_modules,
-                    )
-                )
-            else:
-                transformer.requires_grad_(True)
+        trained = dict(reduce_dtype=torch.float32, reshard_after_forward=cfg.parallel.reshard_after_forward)
+        for transformer in self.model.transformers:
+            self._make_trainable(transformer)
             if self.algorithm.uses_old_policy:
                 old.append(copy.deepcopy(transformer))
-            if self.attention_backend is not None:
-                transformer.set_attention_backend(self.attention_backend)
             transformer.train()
-            self._install_sp(transformer)
-            apply_fsdp(
-                transformer,
-                self.mesh.fsdp_mesh,
-                param_dtype=self.compute_dtype,
-                reduce_dtype=torch.float32,
-                reshard_after_forward=cfg.parallel.reshard_after_forward,
-                checkpoint_modes=self._checkpoint_modes(transformer),
-                compile_blocks=self.compile_blocks,
-            )
-            self.model.transformers[i] = transformer
-        for copy_ in old:  # parallelised exactly like its twin: the same local shards
-            if self.attention_backend is not None:
-                copy_.set_attention_backend(self.attention_backend)
-            self._install_sp(copy_)
-            apply_fsdp(
-                copy_,
-                self.mesh.fsdp_mesh,
-                param_dtype=self.compute_dtype,
-                reduce_dtype=torch.float32,
-                reshard_after_forward=cfg.parallel.reshard_after_forward,
-                compile_blocks=self.compile_blocks,
-            )
+            self._shard(transformer, checkpointing=True, **trained)
+        for copy_ in old:
+            self._shard(copy_, **trained)
         self.old_policy = OldPolicy(old, self.model.transformers) if old else None
         for ref in self.reference or []:
-            if self.attention_backend is not None:
-                ref.set_attention_backend(self.attention_backend)
-            self._install_sp(ref)
-            apply_fsdp(
-                ref, self.mesh.fsdp_mesh, param_dtype=self.compute_dtype, compile_blocks=self.compile_blocks
+            self._shard(ref)
+
+    def _make_trainable(self, transformer: nn.Module) -> None:
+        """Full fine-tune: every parameter trains; LoRA: a frozen base with trainable adapters."""
+        cfg = self.cfg.model
+        if cfg.lora_rank == 0:
+            transformer.requires_grad_(True)
+            return
+        from peft import LoraConfig
+
+        transformer.requires_grad_(False)
+        transformer.add_adapter(
+            LoraConfig(
+                r=cfg.lora_rank,
+                lora_alpha=cfg.lora_alpha,
+                init_lora_weights="gaussian",
+                target_modules=cfg.lora_target_modules,
             )
+        )
+
+    def _shard(self, transformer: nn.Module, checkpointing: bool = False, **fsdp_options) -> None:
+        """Attention backend → SP install → FSDP2 on one expert (``checkpointing``: with the
+        configured activation checkpointing, calibrated after SP is installed)."""
+        if self.attention_backend is not None:
+            transformer.set_attention_backend(self.attention_backend)
+        self._install_sp(transformer)
+        apply_fsdp(
+            transformer,
+            self.mesh.fsdp_mesh,
+            param_dtype=self.compute_dtype,
+            checkpoint_modes=self._checkpoint_modes(transformer) if checkpointing else None,
+            compile_blocks=self.compile_blocks,
+            **fsdp_options,
+        )
 
     # ------------------------------------------------------------------------------------------
     # one iteration
@@ -514,6 +509,7 @@ class Trainer:
         stats = []
         for m in self._bar(range(cfg.train.steps_per_rollout), "optimizer steps"):
             mine = chunks[m * per_step : (m + 1) * per_step]
+            batch["step_in_rollout"] = m
             sums = self.algorithm.accumulate(self.policy, batch, mine)
             canary = sums.pop("log_prob_mean_abs_diff", None)
             if not self._all_finite(sums["loss"]):
