@@ -13,7 +13,7 @@ import sys
 
 import torch.distributed as dist
 
-from miles.config import ConfigError, parse_args
+from miles.config import ConfigError, config_warnings, parse_args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,11 +31,14 @@ def main(argv: list[str] | None = None) -> int:
         from miles.train.dry_run import dry_run
 
         try:
-            dry_run(cfg, world_size=opts.world_size)
+            dry_run(cfg, world_size=opts.world_size)  # its report lists the config warnings too
         except ConfigError as e:
             print(f"dry run: {e}", file=sys.stderr)
             return 2
         return 0
+    if int(os.environ.get("RANK", "0")) == 0:
+        for warning in config_warnings(cfg):
+            print(f"[miles] warning: {warning}", file=sys.stderr)
 
     from miles.train.trainer import Trainer
 

@@ -326,7 +326,7 @@ def validate(cfg: Config) -> None:
         (cfg.grpo.clip_range > 0, "grpo.clip_range must be > 0 (Flow-GRPO uses 1e-4)"),
         (cfg.grpo.kl_beta >= 0, "grpo.kl_beta must be >= 0 (0 turns the KL term off)"),
         (cfg.grpo.adv_clip_max > 0, "grpo.adv_clip_max must be > 0"),
-        (cfg.train.learning_rate > 0, "train.learning_rate must be > 0"),
+        (cfg.train.learning_rate >= 0, "train.learning_rate must be >= 0 (AdamW's step size)"),
         (cfg.train.max_grad_norm > 0, "train.max_grad_norm must be > 0"),
         (cfg.nft.beta > 0, "nft.beta must be > 0 (the reference uses 1.0)"),
         (0.0 < cfg.nft.timestep_fraction <= 1.0, "nft.timestep_fraction must be in (0, 1]"),
@@ -360,6 +360,27 @@ def validate(cfg: Config) -> None:
     for name, weight in cfg.reward.weights.items():
         if not math.isfinite(weight):
             raise ConfigError(f"reward.weights.{name} must be a finite number, got {weight}")
+
+
+def config_warnings(cfg: Config) -> list[str]:
+    """Settings that are allowed but most likely a mistake (the entry point prints them once)."""
+    found = []
+    if cfg.train.learning_rate == 0:
+        found.append("learning rate 0: the weights will not change (train.learning_rate)")
+    return found
+
+
+def check_reward_names(cfg: Config) -> None:
+    """Every name in ``reward.weights`` is a registered reward (imports the reward registry)."""
+    from miles.rewards import registered_rewards
+
+    known = registered_rewards()
+    for name in cfg.reward.weights:
+        if name not in known:
+            raise ConfigError(
+                f"reward.weights names an unknown reward {name!r}; registered rewards: {known} "
+                "(set one with --reward.weights.NAME WEIGHT)"
+            )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -441,12 +462,27 @@ def _build(cls: type, data: dict, prefix: str = "") -> Any:
     return cls(**kwargs)
 
 
+def _yaml_error(path: Path, e: yaml.YAMLError) -> str:
+    """``FILE:LINE:COLUMN: not valid YAML (what the parser says)``, 1-based as editors count."""
+    mark = getattr(e, "problem_mark", None)
+    where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+    what = "; ".join(p for p in (getattr(e, "context", None), getattr(e, "problem", None)) if p) or str(e)
+    return f"{where}: not valid YAML ({what})"
+
+
 def load_config_file(path: str | Path) -> Config:
     """Load a YAML recipe strictly into a :class:`Config`."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
-    data = yaml.safe_load(path.read_text()) or {}
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"{path}: not UTF-8 text (byte offset {e.start}); save the recipe as UTF-8"
+        ) from None
+    except yaml.YAMLError as e:
+        raise ConfigError(_yaml_error(path, e)) from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
     try:
@@ -459,21 +495,89 @@ def to_dict(cfg: Config) -> dict:
     return dataclasses.asdict(cfg)
 
 
+_LAUNCHER_HELP = """miles: GRPO fine-tuning of Wan video transformers with sequence parallelism.
+
+Launcher options (read before the configuration options below):
+  --config FILE    YAML recipe; the flags below override its values
+  --dry-run        check every input the run would refuse and print its plan (mesh, SP plan,
+                   memory per rank), then exit: no GPU, no weights, no torch.distributed
+  --world-size N   with --dry-run: the world size to plan for (a real run takes it from torchrun)
+"""
+
+_REWARD_WEIGHT_FLAG = "--reward.weights."
+
+
+def _pop_reward_weights(args: list[str]) -> tuple[list[str], dict[str, float]]:
+    """Take every ``--reward.weights.NAME W`` (or ``...NAME=W``) out of ``args``.
+
+    tyro turns ``reward.weights`` into one flag per key of the recipe's mapping, so it cannot add
+    a reward; these flags are therefore applied to the recipe before tyro parses the rest.
+    """
+    rest, weights = [], {}
+    i = 0
+    while i < len(args):
+        arg, i = args[i], i + 1
+        if not arg.startswith(_REWARD_WEIGHT_FLAG):
+            rest.append(arg)
+            continue
+        flag, has_value, value = arg.partition("=")
+        if not has_value:
+            if i == len(args):
+                raise ConfigError(f"{flag} needs a weight, e.g. {flag} 1.0")
+            value, i = args[i], i + 1
+        name = flag.removeprefix(_REWARD_WEIGHT_FLAG).replace("-", "_")
+        try:
+            weights[name] = float(value)
+        except ValueError:
+            raise ConfigError(f"{flag}: expected a number, got {value!r}") from None
+    return rest, weights
+
+
+def _cli_registry(reward_names: list[str]) -> tyro.constructors.ConstructorRegistry:
+    """tyro rules: the ``reward.weights`` help lists the registered rewards (a docstring cannot)."""
+    # tyro's own rule for dataclasses; a private module, but tyro is pinned (pyproject.toml).
+    from tyro.constructors._struct_spec_dataclass import dataclass_rule
+
+    registry = tyro.constructors.ConstructorRegistry()
+
+    @registry.struct_rule
+    def reward_weights_help(info: tyro.constructors.StructTypeInfo) -> Any:
+        if info.type is not RewardConfig:
+            return None
+        spec = dataclass_rule(info)
+        fields = []
+        for field in spec.fields:
+            if field.name == "weights":
+                doc = field.helptext() if callable(field.helptext) else field.helptext
+                extra = (
+                    f"Registered rewards: {', '.join(reward_names)}. Set or add one with "
+                    "--reward.weights.NAME WEIGHT (a weight of 0 scores and logs a reward without training on it)."
+                )
+                field = dataclasses.replace(field, helptext=f"{doc or ''} {extra}".strip())
+            fields.append(field)
+        return dataclasses.replace(spec, fields=tuple(fields))
+
+    return registry
+
+
 def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespace]:
     """``--config FILE`` plus tyro overrides; returns the config and the launcher-level options."""
+    from miles.rewards import registered_rewards
+
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config", default=None)
     pre.add_argument("--dry-run", action="store_true")
     pre.add_argument("--world-size", type=int, default=None)
     opts, rest = pre.parse_known_args(argv)
     default = load_config_file(opts.config) if opts.config else Config()
-    description = (
-        "miles: GRPO fine-tuning of Wan video transformers with sequence parallelism.\n"
-        "Launcher options: --config FILE (YAML recipe), --dry-run (print the plan and exit), "
-        "--world-size N (with --dry-run)."
-    )
+    rest, weights = _pop_reward_weights(rest)
+    if weights:
+        reward = dataclasses.replace(default.reward, weights={**default.reward.weights, **weights})
+        default = dataclasses.replace(default, reward=reward)
+    registry = _cli_registry(registered_rewards())
     try:
-        cfg = tyro.cli(Config, default=default, args=rest, description=description)
+        cfg = tyro.cli(Config, default=default, args=rest, description=_LAUNCHER_HELP, registry=registry)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    check_reward_names(cfg)
     return cfg, opts

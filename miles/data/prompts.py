@@ -2,6 +2,8 @@
 
 ``load_prompts`` reads a ``.txt`` file (one prompt a line) or a ``.jsonl`` file (one object a
 line with a ``prompt`` key; the other keys are kept as metadata for rewards such as GenEval).
+``truncation_warning`` counts the prompts the text encoder will see cut short, from the
+tokenizer alone.
 
 ``GroupSampler`` decides, for every rollout step, which prompts each data-parallel rank
 samples. Each epoch is a seeded permutation of all prompts; a step takes the next
@@ -18,6 +20,7 @@ epoch's permutation.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,11 +39,11 @@ class Prompt:
 
 
 def load_prompts(path: str | Path) -> list[Prompt]:
-    """Prompts from a ``.txt`` or ``.jsonl`` file; blank lines are skipped.
+    """Prompts from a UTF-8 ``.txt`` or ``.jsonl`` file; blank lines are skipped, a BOM is dropped.
 
     Raises FileNotFoundError for a missing file and ValueError (naming file and line) for an
-    empty file, a JSONL line that is not a JSON object, or one without a non-empty string
-    ``prompt``.
+    unreadable or empty file, a line that is not UTF-8, a JSONL line that is not a JSON object,
+    or one without a non-empty string ``prompt``.
     """
     path = Path(path)
     if not path.is_file():
@@ -48,29 +51,67 @@ def load_prompts(path: str | Path) -> list[Prompt]:
     suffix = path.suffix.lower()
     if suffix not in (".txt", ".jsonl"):
         raise ValueError(f"{path}: unsupported prompt file type {suffix!r}; use .txt or .jsonl")
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read the prompt file ({e.strerror})") from None
 
     prompts: list[Prompt] = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            line = line.strip()
-            if not line:
-                continue
-            if suffix == ".txt":
-                prompts.append(Prompt(line))
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from e
-            if not isinstance(record, dict):
-                raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
-            text = record.pop("prompt", None)
-            if not isinstance(text, str) or not text.strip():
-                raise ValueError(f"{path}:{lineno}: needs a non-empty string 'prompt' key")
-            prompts.append(Prompt(text, record))
+    # Editors on Windows start UTF-8 files with a byte-order mark; it is not part of the prompt.
+    for lineno, raw in enumerate(data.removeprefix(b"\xef\xbb\xbf").splitlines(), start=1):
+        try:
+            line = raw.decode("utf-8").strip()
+        except UnicodeDecodeError as e:
+            raise ValueError(
+                f"{path}:{lineno}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
+                "save the prompt file as UTF-8"
+            ) from None
+        if not line:
+            continue
+        if suffix == ".txt":
+            prompts.append(Prompt(line))
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from e
+        if not isinstance(record, dict):
+            raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
+        text = record.pop("prompt", None)
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError(f"{path}:{lineno}: needs a non-empty string 'prompt' key")
+        prompts.append(Prompt(text, record))
     if not prompts:
         raise ValueError(f"{path}: no prompts in file; data.prompt_file needs at least one non-empty line")
     return prompts
+
+
+def count_truncated(texts: Sequence[str], tokenizer: Any, max_sequence_length: int) -> int:
+    """How many of ``texts`` the text encoder sees cut short: longer than ``max_sequence_length``.
+
+    Counted as ``WanPipeline`` encodes prompts (its ``prompt_clean``, then the tokenizer with
+    special tokens, truncated to ``max_sequence_length``). Needs only the tokenizer, so it runs
+    before the text encoder loads.
+    """
+    from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+
+    ids = tokenizer([prompt_clean(t) for t in texts], add_special_tokens=True, verbose=False)["input_ids"]
+    return sum(len(x) > max_sequence_length for x in ids)
+
+
+def truncation_warning(
+    prompts: Sequence[Prompt | str], tokenizer: Any, max_sequence_length: int, source: str
+) -> str | None:
+    """The one warning line for prompts of ``source`` that will be truncated, or None."""
+    texts = [p.text if isinstance(p, Prompt) else p for p in prompts]
+    n = count_truncated(texts, tokenizer, max_sequence_length)
+    if not n:
+        return None
+    return (
+        f"{n} of {len(texts)} prompts in {source} are longer than data.max_sequence_length = "
+        f"{max_sequence_length} text tokens; the text encoder sees them cut short (raise "
+        "data.max_sequence_length or shorten them)"
+    )
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,11 @@ vs ``--sequence-parallel-size`` and ``--ulysses-degree`` vs the heads (``Paralle
 the attention backend vs the ring (``validate_sp_args``), the model's SP plan (from its
 diffusers ``_cp_plan``), tokens divisible by sp (``shard_sequence``), the SDE window, and —
 when the processes per node are known (``LOCAL_WORLD_SIZE`` / ``NPROC_PER_NODE``) — Ulysses
-groups inside a node. An invalid layout raises :class:`DryRunError` (a ``ConfigError``) with
-the fix; the entry point prints it and exits 2.
+groups inside a node. It also makes the trainer's input checks: the run directory, the prompt
+files (readable, UTF-8, enough prompts for one rollout at this dp size), the reward names,
+weights and PickScore folders (without loading them); with the model folder's tokenizer it
+counts the prompts longer than ``data.max_sequence_length``. An invalid layout or input raises
+:class:`DryRunError` (a ``ConfigError``) with the fix; the entry point prints it and exits 2.
 
 World size: ``--world-size`` > ``$WORLD_SIZE`` > 1.
 
@@ -66,11 +69,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from miles.config import Config, ConfigError
+from miles.config import Config, ConfigError, check_reward_names, config_warnings
+from miles.data.prompts import TINY_PROMPTS, GroupSampler, load_prompts, truncation_warning
 from miles.models.wan import DTYPES, WanModel, check_wan_folder, read_model_index, resolve_model_path
 from miles.parallel.compile import resolve_compile
 from miles.parallel.topology import ParallelDims, valid_ulysses_degrees
 from miles.parallel.topology_checks import check_ulysses_within_node, local_world_size_from_env
+from miles.train.run_dir import check_run_dir
 
 __all__ = ["DryRunError", "dry_run", "format_report"]
 
@@ -163,6 +168,67 @@ def _load_meta_model(cfg: Config) -> tuple[WanModel, dict, list[str]]:
         pipeline=SimpleNamespace(vae=vae, text_encoder=text_encoder),
     )
     return model, index, warnings
+
+
+# ---------------------------------------------------------------------------------------------
+# The inputs the trainer refuses before it loads weights
+
+
+def _check_rewards(cfg: Config) -> None:
+    """What ``build_rewards`` refuses, without constructing a reward (PickScore would load CLIP-H)."""
+    check_reward_names(cfg)
+    for name, weight in cfg.reward.weights.items():
+        if not math.isfinite(weight):
+            raise DryRunError(f"reward.weights.{name} must be a finite number, got {weight}")
+    if "pickscore" in cfg.reward.weights:
+        from miles.rewards import pickscore as ps
+
+        model = ps._check_folder(
+            cfg.reward.pickscore_path,
+            "reward.pickscore_path",
+            "the PickScore CLIP model",
+            [("config.json",), ps._MODEL_FILES],
+        )
+        processor = cfg.reward.pickscore_processor_path
+        key = "reward.pickscore_processor_path" if processor is not None else "reward.pickscore_path"
+        ps._check_folder(
+            model if processor is None else processor,
+            key,
+            "the CLIP processor",
+            [ps._IMAGE_PROCESSOR_FILES, ps._TOKENIZER_FILES],
+        )
+
+
+def _check_inputs(cfg: Config, dp: int, model_path: Path) -> tuple[str, list[str]]:
+    """The trainer's checks of run directory, prompt files and rewards; (a summary line, warnings).
+
+    Also counts the prompts the text encoder will truncate, when the model folder has its tokenizer
+    (a folder without one is already reported as one the real run refuses).
+    """
+    prompt_file = cfg.data.prompt_file or TINY_PROMPTS
+    run_dir = Path(cfg.run.output_dir) / cfg.run.name
+    try:
+        check_run_dir(run_dir, cfg.train.resume, cfg.train.overwrite)
+        prompts = load_prompts(prompt_file)
+        held_out = load_prompts(cfg.eval.prompt_file) if cfg.eval.prompt_file else []
+        GroupSampler(len(prompts), cfg.data.prompts_per_rank, cfg.data.group_size, dp_rank=0, dp_size=dp)
+        _check_rewards(cfg)
+    except (ValueError, FileNotFoundError) as e:
+        raise DryRunError(str(e)) from None
+    warnings = config_warnings(cfg)
+    tokenizer_dir = model_path / "tokenizer"
+    if tokenizer_dir.is_dir():
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+        for texts, source in ((prompts, prompt_file), (held_out, cfg.eval.prompt_file)):
+            if texts and (w := truncation_warning(texts, tokenizer, cfg.data.max_sequence_length, source)):
+                warnings.append(w)
+    summary = f"{len(prompts)} prompts from {prompt_file}" + (
+        f" ({len(held_out)} held out from {cfg.eval.prompt_file})" if held_out else ""
+    )
+    rewards = ", ".join(f"{name} {weight:g}" for name, weight in cfg.reward.weights.items())
+    return f"{summary}; rewards {rewards}; run dir {run_dir}", warnings
 
 
 # ---------------------------------------------------------------------------------------------
@@ -307,6 +373,8 @@ def dry_run(
         check_ulysses_within_node(dims, local_world_size)
     except ValueError as e:
         raise DryRunError(f"invalid parallel layout: {e}") from None
+    inputs, input_warnings = _check_inputs(cfg, dims.dp, model.path)
+    warnings += input_warnings
     if local_world_size is None:
         node_note = (
             "processes per node unknown (set LOCAL_WORLD_SIZE or NPROC_PER_NODE): Ulysses groups stay inside "
@@ -491,6 +559,7 @@ def dry_run(
             "cfg_factor": cfg_factor,
             "num_sde_steps": num_sde_steps,
         },
+        "inputs": inputs,
         "activation_checkpointing": ac_note,
         "params": {
             "per_expert": per_expert,
@@ -566,6 +635,7 @@ def format_report(rep: dict[str, Any]) -> str:
         lines.append(f"  {kind + ' groups':<15} {_fmt_groups(mesh['groups'][kind])}")
     lines.append(f"  {'fsdp':<15} all {rep['world_size']} ranks (parameters sharded over dp x sp)")
     lines.append(f"  {'nodes':<15} {mesh['node_note']}")
+    lines.append(f"inputs    {rep['inputs']}")
 
     state = "installed" if plan["enabled"] else "not installed (sp = 1)"
     lines.append(f"sp plan   from {plan['source']}; {state}")

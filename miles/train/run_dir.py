@@ -40,6 +40,12 @@ def check_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> None:
         raise ValueError(
             f"the run directory {run_dir} is a file; choose another --run.name or --run.output-dir"
         )
+    for parent in run_dir.parents:  # run.output_dir (or a folder above it) is a file: mkdir would fail
+        if parent.exists() and not parent.is_dir():
+            raise ValueError(
+                f"{parent} is a file, so the run directory {run_dir} cannot be created; set "
+                "--run.output-dir to a folder (or a path that does not exist yet)"
+            )
     if resume or overwrite:
         return
     found = previous_run(run_dir)

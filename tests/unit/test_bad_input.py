@@ -2,16 +2,19 @@
 
 Through the real entry point (``python train_grpo.py``, one process, gloo), one case each:
 
-- config errors (unknown or mistyped key, wrong type, group size < 2, a batch that does not split
-  into micro-batches) exit with code 2 before torch.distributed starts;
+- config errors (unknown or mistyped key, wrong type, malformed YAML, group size < 2, a batch that
+  does not split into micro-batches, a clip range <= 0, a negative KL weight or learning rate,
+  ``--world-size`` without ``--dry-run``, an unknown reward or a bad weight in
+  ``--reward.weights.NAME W``) exit with code 2 before torch.distributed starts;
 - errors found while building the trainer (a model path that is not a diffusers Wan folder, a
-  reward without its weights, an empty or malformed prompt file, fewer prompts than one rollout
-  needs) exit nonzero with the message, before the model is sharded or a rollout runs.
+  reward without its weights, an empty, malformed or non-UTF-8 prompt file, fewer prompts than
+  one rollout needs, a run path that is a file) exit with code 2 and the message, before the
+  model is sharded or a rollout runs.
 
 Neither leaves a run directory behind. Then, in-process on one gloo rank (``run_distributed``), a
 NaN reward, a NaN loss and a NaN gradient each stop the run with ``NonFiniteError`` naming the
 step and the last good checkpoint, and no checkpoint is written after it.
-About 40 s on 2 cores.
+About 90 s on 2 cores.
 """
 
 from __future__ import annotations
@@ -72,6 +75,30 @@ CONFIG_ERRORS = {
         ["--train.micro-batch-size", "3"],
         ["8 samples per rank", "train.micro_batch_size = 3"],
     ),
+    "clip_range_0": (None, ["--grpo.clip-range", "0"], ["grpo.clip_range must be > 0"]),
+    "grpo_kl_beta_negative": (None, ["--grpo.kl-beta", "-0.01"], ["grpo.kl_beta must be >= 0"]),
+    "nft_kl_beta_negative": (None, ["--nft.kl-beta", "-0.01"], ["nft.kl_beta must be >= 0"]),
+    "learning_rate_negative": (
+        None,
+        ["--train.learning-rate", "-1e-5"],
+        ["train.learning_rate must be >= 0"],
+    ),
+    "world_size_without_dry_run": (None, ["--world-size", "2"], ["--world-size is for --dry-run only"]),
+    "malformed_yaml": (
+        "train:\n  learning_rate: 1.0e-4\n num_rollouts: 2\n",
+        [],
+        ["{recipe}:3:2: not valid YAML (while parsing a block mapping"],
+    ),
+    "unknown_reward_flag": (
+        None,
+        ["--reward.weights.sharpnes", "1"],
+        ["reward.weights names an unknown reward 'sharpnes'", "'sharpness'"],
+    ),
+    "reward_weight_flag_not_a_number": (
+        None,
+        ["--reward.weights.sharpness", "high"],
+        ["--reward.weights.sharpness: expected a number, got 'high'"],
+    ),
 }
 
 
@@ -82,7 +109,7 @@ def test_config_error_exits_2_naming_the_key(tmp_path, case):
     code, out = _train(tmp_path, *flags, config=config)
     assert code == 2, out
     for message in messages:
-        assert message in out, out
+        assert message.replace("{recipe}", str(config)) in out, out
     assert "Traceback" not in out
     assert not (tmp_path / "runs").exists()
 
@@ -95,15 +122,26 @@ def _trainer_error(tmp_path: Path, case: str) -> tuple[list[str], list[str]]:
     if case == "model_path_missing":
         return ["--model.path", str(tmp_path / "nowhere")], ["is not a folder", "diffusers Wan folder"]
     if case == "reward_weights_missing":
-        # A dict flag cannot add a key, so the recipe names the reward; no reward.pickscore_path.
-        recipe = _write(tmp_path, "pick.yaml", "reward:\n  weights: {pickscore: 1.0}\n")
-        return ["--config", str(recipe)], ["set reward.pickscore_path to a local folder"]
+        # The flag adds pickscore to the recipe's rewards; there is no reward.pickscore_path.
+        return ["--reward.weights.pickscore", "1"], ["set reward.pickscore_path to a local folder"]
     if case == "empty_prompt_file":
         prompts = _write(tmp_path, "prompts.txt", "\n  \n")
         return ["--data.prompt-file", str(prompts)], [f"{prompts}: no prompts in file"]
     if case == "malformed_prompt_file":
         prompts = _write(tmp_path, "prompts.jsonl", '{"prompt": "a cat"}\n{"prompt": \n')
         return ["--data.prompt-file", str(prompts)], [f"{prompts}:2: not valid JSON"]
+    if case == "non_utf8_prompt_file":
+        prompts = tmp_path / "prompts.txt"
+        prompts.write_bytes("a cat\na caf\xe9 at night\n".encode("latin-1"))
+        return ["--data.prompt-file", str(prompts)], [f"{prompts}:2: not UTF-8 text (byte 0xe9 at column 6)"]
+    if case == "run_output_dir_is_a_file":
+        output_dir = _write(tmp_path, "outputs", "not a folder")
+        message = f"{output_dir} is a file, so the run directory {output_dir}/bad cannot be created"
+        return ["--run.output-dir", str(output_dir)], [message]
+    if case == "run_name_is_a_file":
+        (tmp_path / "outputs").mkdir()
+        run_dir = _write(tmp_path, "outputs/bad", "not a folder")
+        return ["--run.output-dir", str(tmp_path / "outputs")], [f"the run directory {run_dir} is a file"]
     if case == "fewer_prompts_than_a_rollout":
         prompts = _write(tmp_path, "prompts.txt", "a cat\na dog\n")
         flags = ["--data.prompt-file", str(prompts), "--data.prompts-per-rank", "4"]
@@ -117,15 +155,18 @@ TRAINER_ERRORS = [
     "reward_weights_missing",
     "empty_prompt_file",
     "malformed_prompt_file",
+    "non_utf8_prompt_file",
     "fewer_prompts_than_a_rollout",
+    "run_output_dir_is_a_file",
+    "run_name_is_a_file",
 ]
 
 
 @pytest.mark.parametrize("case", TRAINER_ERRORS)
-def test_trainer_error_exits_nonzero_before_any_rollout(tmp_path, case):
+def test_trainer_error_exits_2_before_any_rollout(tmp_path, case):
     flags, messages = _trainer_error(tmp_path, case)
-    code, out = _train(tmp_path, *flags)  # a later --config replaces the default recipe
-    assert code != 0, out
+    code, out = _train(tmp_path, *flags)  # a later --config or --run.output-dir replaces the first
+    assert code == 2, out
     for message in messages:
         assert message in out, out
     assert "[rollout" not in out and "checkpoint saved" not in out

@@ -1,10 +1,11 @@
 """Config loading: strict YAML, CLI overrides, the seed's flag names."""
 
+import re
 from pathlib import Path
 
 import pytest
 
-from miles.config import Config, ConfigError, load_config_file, parse_args
+from miles.config import Config, ConfigError, config_warnings, load_config_file, parse_args
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -93,8 +94,8 @@ def test_bad_cli_value_fails(capsys):
         ("--grpo.clip-range", "-1e-4", "grpo.clip_range must be > 0"),
         ("--grpo.kl-beta", "-0.1", "grpo.kl_beta must be >= 0"),
         ("--grpo.adv-clip-max", "0", "grpo.adv_clip_max must be > 0"),
-        ("--train.learning-rate", "0", "train.learning_rate must be > 0"),
-        ("--train.learning-rate", "-1e-5", "train.learning_rate must be > 0"),
+        ("--nft.kl-beta", "-0.1", "nft.kl_beta must be >= 0"),
+        ("--train.learning-rate", "-1e-5", "train.learning_rate must be >= 0"),
         ("--train.max-grad-norm", "0", "train.max_grad_norm must be > 0"),
         ("--train.ema-decay", "1.0", "train.ema_decay must be in"),
         ("--eval.num-seeds", "0", "eval.num_seeds must be >= 1"),
@@ -113,3 +114,71 @@ def test_world_size_needs_dry_run(capsys):
 
     assert train_grpo.main(["--world-size", "8"]) == 2
     assert "--world-size is for --dry-run only" in capsys.readouterr().err
+
+
+def test_learning_rate_zero_is_a_warning_not_an_error():
+    cfg, _ = parse_args(["--train.learning-rate", "0"])
+    assert config_warnings(cfg) == ["learning rate 0: the weights will not change (train.learning_rate)"]
+    assert config_warnings(parse_args([])[0]) == []
+
+
+@pytest.mark.parametrize(
+    "text,where",
+    [
+        ("train:\n  learning_rate: 1.0\n num_rollouts: 2\n", ":3:2: not valid YAML"),
+        ("train: [1, 2\n", ":2:1: not valid YAML (while parsing a flow sequence"),
+        ("train:\n\tnum_rollouts: 2\n", ":2:1: not valid YAML"),
+    ],
+)
+def test_malformed_yaml_names_file_line_and_column(tmp_path, text, where):
+    path = _write(tmp_path, text)
+    with pytest.raises(ConfigError) as e:
+        load_config_file(path)
+    assert str(e.value).startswith(f"{path}{where}"), str(e.value)
+
+
+def test_reward_weight_flags_add_and_change_rewards(tmp_path):
+    recipe = _write(tmp_path, "reward:\n  weights: {world_adherence: 1.0}\n")
+    cfg, _ = parse_args(["--config", str(recipe), "--reward.weights.sharpness", "0.5"])
+    assert cfg.reward.weights == {"world_adherence": 1.0, "sharpness": 0.5}  # added to the recipe's
+    cfg, _ = parse_args(
+        [
+            "--config",
+            str(recipe),
+            "--reward.weights.world-adherence=0",
+            "--reward.weights.jpeg_compressibility",
+            "-2",
+        ]
+    )
+    assert cfg.reward.weights == {"world_adherence": 0.0, "jpeg_compressibility": -2.0}
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (
+            ["--reward.weights.sharpnes", "1"],
+            "reward.weights names an unknown reward 'sharpnes'; registered rewards: [",
+        ),
+        (["--reward.weights.sharpness", "x"], "--reward.weights.sharpness: expected a number, got 'x'"),
+        (["--reward.weights.sharpness"], "--reward.weights.sharpness needs a weight"),
+        (["--reward.weights.sharpness", "inf"], "reward.weights.sharpness must be a finite number"),
+    ],
+)
+def test_bad_reward_weight_flags(argv, message):
+    with pytest.raises(ConfigError) as e:
+        parse_args(argv)
+    assert message in str(e.value), str(e.value)
+
+
+def test_help_lists_launcher_flags_and_registered_rewards(capsys):
+    from miles.rewards import registered_rewards
+
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--help"])
+    assert e.value.code == 0
+    out = " ".join(re.sub(r"[│╭╮╰╯─]+", " ", capsys.readouterr().out).split())
+    for flag in ("--config FILE", "--dry-run", "--world-size N", "--reward.weights.NAME WEIGHT"):
+        assert flag in out, flag
+    assert f"Registered rewards: {', '.join(registered_rewards())}." in out
+    assert "Reward name -> weight" in out  # the field's own docstring is kept

@@ -315,3 +315,82 @@ def test_real_wan21_shape_from_configs_only(tmp_path):
         [*argv[:-6], "--world-size", "16", "--sequence-parallel-size", "16", "--ulysses-degree", "4"]
     )
     assert plan16["sequence"]["tokens_per_sp_rank"] == 2048 and plan16["sequence"]["pad_tokens"] == 8
+
+
+# ---------------------------------------------------------------------------------------------
+# The dry run refuses every input the real run refuses (through the entry point, in process).
+
+
+def _dry_input_case(tmp_path: Path, case: str) -> tuple[list[str], str]:
+    """(flags, the key part of the message) of one bad input."""
+    if case == "non_utf8_prompt_file":
+        prompts = tmp_path / "p.txt"
+        prompts.write_bytes(b"a cat\n\xff dog\n")
+        return ["--data.prompt-file", str(prompts)], f"{prompts}:2: not UTF-8 text"
+    if case == "missing_eval_prompt_file":
+        return [
+            "--eval.prompt-file",
+            str(tmp_path / "none.txt"),
+        ], f"prompt file not found: {tmp_path}/none.txt"
+    if case == "fewer_prompts_than_a_rollout":  # 16 built-in prompts; dp 8 x 4 = 32
+        return ["--data.prompts-per-rank", "4"], "16 prompts are fewer than one rollout needs (dp size 8"
+    if case == "unknown_reward":
+        return ["--reward.weights.sharpnes", "1"], "reward.weights names an unknown reward 'sharpnes'"
+    if case == "reward_without_its_model":
+        return ["--reward.weights.pickscore", "1"], "set reward.pickscore_path to a local folder"
+    if case == "run_output_dir_is_a_file":
+        (tmp_path / "f").write_text("")
+        return ["--run.output-dir", str(tmp_path / "f")], f"{tmp_path}/f is a file, so the run directory"
+    if case == "no_resume_into_a_previous_run":
+        (tmp_path / "run").mkdir()
+        (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 1}\n')
+        flags = ["--run.output-dir", str(tmp_path), "--run.name", "run", "--train.no-resume"]
+        return flags, "holds a previous run (metrics.jsonl with 1 rows)"
+    if case == "clip_range_0":
+        return ["--grpo.clip-range", "0"], "grpo.clip_range must be > 0"
+    raise AssertionError(case)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "non_utf8_prompt_file",
+        "missing_eval_prompt_file",
+        "fewer_prompts_than_a_rollout",
+        "unknown_reward",
+        "reward_without_its_model",
+        "run_output_dir_is_a_file",
+        "no_resume_into_a_previous_run",
+        "clip_range_0",
+    ],
+)
+def test_dry_run_refuses_what_the_real_run_refuses(tmp_path, capsys, case):
+    import train_grpo
+
+    flags, message = _dry_input_case(tmp_path, case)
+    try:
+        code = train_grpo.main([*TINY, "--dry-run", "--world-size", "8", *flags])
+    except SystemExit as e:  # tyro exits by itself on a config that fails validation
+        code = e.code
+    assert code == 2
+    captured = capsys.readouterr()
+    assert message in captured.err, captured.err
+    assert "miles dry run" not in captured.out  # refused before the plan is printed
+
+
+def test_dry_run_reports_prompts_and_warnings(tmp_path):
+    prompts = tmp_path / "p.txt"
+    prompts.write_bytes(b"\xef\xbb\xbfa red ball\n" + b"a very long prompt about a ball\n" * 3)
+    rep = _plan(
+        [*TINY, "--data.prompt-file", str(prompts), "--train.learning-rate", "0"]
+        + ["--data.max-sequence-length", "12"]
+    )  # the tiny tokenizer: ~1 token a character
+    assert (
+        rep["inputs"] == f"4 prompts from {prompts}; rewards jpeg_incompressibility 1; run dir runs/tiny_cpu"
+    )
+    assert "learning rate 0: the weights will not change (train.learning_rate)" in rep["warnings"]
+    assert any(
+        w.startswith(f"3 of 4 prompts in {prompts} are longer than data.max_sequence_length = 12")
+        for w in rep["warnings"]
+    ), rep["warnings"]
+    assert not any("longer than" in w for w in _plan(TINY)["warnings"])

@@ -4,8 +4,16 @@ from pathlib import Path
 
 import pytest
 
-from miles.data.prompts import TINY_PROMPTS, GroupSampler, load_prompts
+from miles.data.prompts import (
+    TINY_PROMPTS,
+    GroupSampler,
+    Prompt,
+    count_truncated,
+    load_prompts,
+    truncation_warning,
+)
 
+ROOT = Path(__file__).resolve().parents[2]
 SHARED_DATA = Path("/work/shared/data")
 
 
@@ -58,6 +66,40 @@ def test_other_errors(tmp_path):
         load_prompts(tmp_path / "missing.txt")
     with pytest.raises(ValueError, match=r"\.txt or \.jsonl"):
         load_prompts(write(tmp_path, "p.csv", "a,b\n"))
+
+
+@pytest.mark.parametrize("name", ["p.txt", "p.jsonl"])
+def test_a_byte_order_mark_is_not_part_of_the_first_prompt(tmp_path, name):
+    text = "a cat\na dog\n" if name == "p.txt" else '{"prompt": "a cat"}\n{"prompt": "a dog"}\n'
+    path = tmp_path / name
+    path.write_bytes(b"\xef\xbb\xbf" + text.encode())
+    assert [p.text for p in load_prompts(path)] == ["a cat", "a dog"]
+
+
+@pytest.mark.parametrize("name", ["p.txt", "p.jsonl"])
+def test_non_utf8_names_file_and_line(tmp_path, name):
+    path = tmp_path / name
+    path.write_bytes(b'{"prompt": "a cat"}\n\n{"prompt": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match=rf"{name}:3: not UTF-8 text \(byte 0xe9 at column 16\)"):
+        load_prompts(path)
+
+
+def test_count_truncated_matches_the_pipeline_tokenizer():
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(ROOT / "miles/world/pipeline/tokenizer", local_files_only=True)
+    texts = ["a red ball", "a big red ball moving left", "  a big\n red ball  "]
+    lengths = [
+        len(tokenizer(t)["input_ids"]) for t in ("a red ball", "a big red ball moving left", "a big red ball")
+    ]
+    limit = lengths[2]  # the third prompt, whitespace-cleaned as WanPipeline does, fits exactly
+    assert count_truncated(texts, tokenizer, limit) == 1
+    assert count_truncated(texts, tokenizer, lengths[1]) == 0
+    warning = truncation_warning([Prompt(t) for t in texts], tokenizer, limit, "p.txt")
+    assert warning.startswith(
+        f"1 of 3 prompts in p.txt are longer than data.max_sequence_length = {limit} text tokens"
+    )
+    assert truncation_warning(texts, tokenizer, lengths[1], "p.txt") is None
 
 
 def test_tiny_prompts_ship_with_the_package():
