@@ -159,6 +159,47 @@ class RewardConfig:
     """Local folder of its processor (laion/CLIP-ViT-H-14-laion2B-s32B-b79K); None: pickscore_path."""
     num_frames: int = 4
     """Frames sampled uniformly from each video for frame-level rewards."""
+    remote_url: str | None = None
+    """``remote``: base URL of a reward server (start it first: ``python -m miles.rewards.serve``)."""
+    remote_rewards: dict[str, float] | None = None
+    """``remote``: reward name -> weight the server computes; None: every reward it hosts, weight 1."""
+    remote_timeout_s: float = 300.0
+    """``remote``: seconds to wait for the answer to one request (the server scores its whole batch)."""
+    remote_retries: int = 3
+    """``remote``: retries of a request after a connection error, timeout or HTTP 429/5xx."""
+    remote_backoff_s: float = 0.5
+    """``remote``: wait before the first retry, doubled for each further one."""
+    remote_batch_size: int | None = None
+    """``remote``: videos per request; None: each scoring call in one request."""
+    remote_num_frames: int | None = None
+    """``remote``: send only this many frames per video, sampled uniformly (match the server's
+    --num-frames to keep frame-sampling rewards exact); None: every frame."""
+    vlm_url: str | None = None
+    """``vlm_judge``: OpenAI-compatible server (vLLM, SGLang): POST {url}/v1/chat/completions."""
+    vlm_model: str | None = None
+    """``vlm_judge``: the served model name; None: the only model the server lists."""
+    vlm_api_key: str | None = None
+    """``vlm_judge``: bearer token; None: $MILES_VLM_API_KEY or $OPENAI_API_KEY (prefer these: the
+    config is saved in the run directory)."""
+    vlm_question: str | None = None
+    """``vlm_judge``: question after the frames, with {prompt} (and {lo}, {hi}, {num_frames});
+    None: miles.rewards.vlm_judge.DEFAULT_QUESTION, which asks for a final 'Score: N'."""
+    vlm_num_frames: int = 4
+    """``vlm_judge``: frames per video sent to the judge, sampled uniformly."""
+    vlm_score_range: list[float] = dataclasses.field(default_factory=lambda: [1.0, 5.0])
+    """``vlm_judge``: [lo, hi] of the judge's scale; a score s maps to (s - lo) / (hi - lo)."""
+    vlm_unparsable: Literal["error", "min"] = "error"
+    """``vlm_judge``: an answer without a score in range raises (error) or scores 0 (min); both count it."""
+    vlm_timeout_s: float = 120.0
+    """``vlm_judge``: seconds to wait for one answer."""
+    vlm_retries: int = 3
+    """``vlm_judge``: retries of a request after a connection error, timeout or HTTP 429/5xx."""
+    vlm_backoff_s: float = 1.0
+    """``vlm_judge``: wait before the first retry, doubled for each further one."""
+    vlm_concurrency: int = 8
+    """``vlm_judge``: requests in flight at once (one video each; the server batches them)."""
+    vlm_max_tokens: int = 512
+    """``vlm_judge``: the answer's token limit (room for a short reason before the score)."""
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -12,8 +12,10 @@ from miles.rewards.base import Reward, frames_to_uint8, sample_frame_indices
 from miles.rewards.jpeg import JpegCompressibility, JpegIncompressibility
 from miles.rewards.pickscore import PickScore
 from miles.rewards.registry import MultiReward, build_rewards, register_reward, registered_rewards
+from miles.rewards.remote import RemoteReward, RemoteRewardError
 from miles.rewards.sharpness import Sharpness
 from miles.rewards.tiny_clip import tiny_clip
+from miles.rewards.vlm_judge import VLMJudge
 from miles.rewards.world import WorldAdherence
 
 __all__ = [
@@ -21,8 +23,11 @@ __all__ = [
     "JpegIncompressibility",
     "MultiReward",
     "PickScore",
+    "RemoteReward",
+    "RemoteRewardError",
     "Reward",
     "Sharpness",
+    "VLMJudge",
     "WorldAdherence",
     "build_rewards",
     "frames_to_uint8",

@@ -1,0 +1,339 @@
+"""``remote``: score videos with rewards hosted by a reward server (``python -m miles.rewards.serve``).
+
+    python -m miles.rewards.serve --rewards world_adherence --port 8000       # start it first
+    rewards = build_rewards({"remote": 1.0}, remote_url="http://127.0.0.1:8000",
+                            remote_rewards={"world_adherence": 1.0})
+
+A reward model that wants its own GPU, environment or process (a big CLIP, a VLM) runs once in
+the server and every trainer rank sends it its decoded videos. The constructor checks the
+server's ``/health`` and that it hosts the requested rewards, so a missing server is refused
+before the first rollout.
+
+Wire format (version 1; docs/rewards.md has the details):
+
+- ``GET /health`` -> ``{"status": "ok", "version": 1, "rewards": [hosted names]}``.
+- ``POST /score``: a safetensors file holding ``videos`` (B, F, H, W, C) uint8 (``frames_to_uint8``)
+  with string metadata ``request_id`` (uuid4 hex), ``prompts`` and ``rewards`` (JSON lists) ->
+  ``{"request_id": ..., "scores": {name: [B floats]}}``; an error is ``{"error": message}``.
+- ``GET /stats`` -> the server's counters (requests, scored samples, cache hits, dropped answers).
+
+Quantisation: the server scores ``dequantize_frames(frames)`` = uint8 / 255 as float32, so a
+remote score equals, bitwise, the in-process score of ``dequantize_frames(frames_to_uint8(videos))``.
+Rewards that quantise frames themselves (JPEG sizes, PickScore) give the in-process score of the
+original videos; float rewards (``sharpness``, ``world_adherence``) see frames rounded to 1/255.
+The combined score is summed client-side in the order of ``remote_rewards``, as ``MultiReward``
+does, so ``{"remote": 1}`` with ``remote_rewards`` W matches an in-process mix W bitwise.
+
+Failures: connection errors, timeouts and HTTP 429/5xx are retried ``remote_retries`` times,
+waiting ``remote_backoff_s * 2**k`` before retry k+1; each request carries one id over all its
+retries and the server caches its answer per id, so a retried batch is scored once and no sample
+is lost. Other HTTP errors, a malformed body or a wrong number of scores raise
+:class:`RemoteRewardError` at once, naming the URL.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import requests
+import torch
+
+from miles.rewards.base import Reward, check_num_frames, check_videos, frames_to_uint8, sample_frame_indices
+from miles.rewards.registry import register_reward
+
+WIRE_VERSION = 1
+RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
+"""HTTP statuses worth retrying: overload and server-side failures (a 4xx is the request's fault)."""
+_CONNECT_TIMEOUT_S = 10.0
+
+
+class RemoteRewardError(RuntimeError):
+    """A reward server (or VLM endpoint) was unreachable after all retries or answered badly;
+    the message names its URL."""
+
+
+def dequantize_frames(frames: np.ndarray) -> torch.Tensor:
+    """(B, F, H, W, C) uint8 -> (B, F, C, H, W) float32 ``u / 255``: the frames the server scores.
+
+    ``frames_to_uint8(dequantize_frames(u)) == u`` for every uint8 ``u``.
+    """
+    x = torch.from_numpy(np.ascontiguousarray(frames))
+    return x.permute(0, 1, 4, 2, 3).float() / 255.0
+
+
+def encode_request(
+    frames: np.ndarray, prompts: Sequence[str], rewards: Sequence[str], request_id: str
+) -> bytes:
+    """The ``POST /score`` body: safetensors bytes of ``videos`` (B, F, H, W, C) uint8 plus metadata."""
+    from safetensors.numpy import save
+
+    metadata = {
+        "version": str(WIRE_VERSION),
+        "request_id": request_id,
+        "prompts": json.dumps(list(prompts)),
+        "rewards": json.dumps(list(rewards)),
+    }
+    return save({"videos": np.ascontiguousarray(frames)}, metadata=metadata)
+
+
+def decode_request(body: bytes) -> tuple[np.ndarray, list[str], list[str], str]:
+    """``encode_request``'s inverse: ``(frames, prompts, rewards, request_id)``; ValueError if malformed."""
+    from safetensors.numpy import load
+
+    try:
+        # safetensors layout: u64 little-endian header length, JSON header (with __metadata__), data
+        header_len = int.from_bytes(body[:8], "little")
+        metadata = json.loads(body[8 : 8 + header_len]).get("__metadata__") or {}
+        tensors = load(body)
+        prompts, rewards = json.loads(metadata["prompts"]), json.loads(metadata["rewards"])
+        request_id, version = metadata["request_id"], int(metadata["version"])
+        frames = tensors["videos"]
+    except Exception as e:  # any defect of the body is the client's: HTTP 400
+        raise ValueError(f"malformed /score body ({type(e).__name__}: {e})") from e
+    if version != WIRE_VERSION:
+        raise ValueError(f"wire version {version} is not supported (this server speaks {WIRE_VERSION})")
+    if frames.dtype != np.uint8 or frames.ndim != 5 or frames.shape[-1] != 3:
+        raise ValueError(f"videos must be (B, F, H, W, 3) uint8; got {frames.dtype} {frames.shape}")
+    ok_strings = all(isinstance(x, list) and all(isinstance(s, str) for s in x) for x in (prompts, rewards))
+    if not ok_strings or len(prompts) != frames.shape[0] or not rewards:
+        raise ValueError(
+            f"metadata must hold {frames.shape[0]} prompts and at least one reward name, as JSON lists of str"
+        )
+    return frames, prompts, rewards, str(request_id)
+
+
+def error_text(response: requests.Response) -> str:
+    """The ``error`` of a JSON error body, else the start of the body."""
+    try:
+        body = response.json()
+        if isinstance(body, dict) and "error" in body:
+            return str(body["error"])
+    except ValueError:
+        pass
+    return repr(response.text[:300])
+
+
+def http_request(
+    session: requests.Session,
+    method: str,
+    url: str,
+    *,
+    retries: int,
+    backoff_s: float,
+    timeout_s: float,
+    on_retry: Callable[[], None] | None = None,
+    **kwargs: Any,
+) -> requests.Response:
+    """Send one request, retrying connection errors, timeouts and ``RETRY_STATUS`` answers.
+
+    Waits ``backoff_s * 2**k`` before retry k+1; returns the first 2xx response. Raises
+    :class:`RemoteRewardError` naming ``url`` for another status (not retried) or after
+    ``retries + 1`` failed attempts.
+    """
+    timeout = (min(_CONNECT_TIMEOUT_S, timeout_s), timeout_s)
+    last = ""
+    for attempt in range(retries + 1):
+        if attempt:
+            time.sleep(backoff_s * 2 ** (attempt - 1))
+            if on_retry is not None:
+                on_retry()
+        try:
+            response = session.request(method, url, timeout=timeout, **kwargs)
+        except (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError) as e:
+            last = f"{type(e).__name__}: {e}"
+            continue
+        if response.status_code in RETRY_STATUS:
+            last = f"HTTP {response.status_code}: {error_text(response)}"
+            continue
+        if not response.ok:
+            raise RemoteRewardError(
+                f"{method} {url} was refused with HTTP {response.status_code} (not retried): "
+                f"{error_text(response)}"
+            )
+        return response
+    raise RemoteRewardError(f"{method} {url} failed after {retries + 1} attempt(s); last error: {last}")
+
+
+def check_http_options(prefix: str, url: str | None, timeout_s: float, retries: int, backoff_s: float) -> str:
+    """Validate the URL, timeout and retry options of an HTTP reward; returns the URL without a final /."""
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+        raise ValueError(f"reward.{prefix}_url must be an http(s):// base URL; got {url!r}")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+        raise ValueError(f"reward.{prefix}_timeout_s must be > 0 seconds; got {timeout_s!r}")
+    if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+        raise ValueError(f"reward.{prefix}_retries must be an int >= 0; got {retries!r}")
+    if isinstance(backoff_s, bool) or not isinstance(backoff_s, (int, float)) or backoff_s < 0:
+        raise ValueError(f"reward.{prefix}_backoff_s must be >= 0 seconds; got {backoff_s!r}")
+    return url.rstrip("/")
+
+
+def _resolve_weights(
+    remote_rewards: Mapping[str, float] | Sequence[str] | str | None, hosted: list[str], url: str
+) -> dict[str, float]:
+    """``remote_rewards`` as ``{name: weight}`` (a name or list: weight 1; None: all hosted), checked."""
+    if remote_rewards is None:
+        weights = {name: 1.0 for name in hosted}
+    elif isinstance(remote_rewards, str):
+        weights = {name.strip(): 1.0 for name in remote_rewards.split(",") if name.strip()}
+    elif isinstance(remote_rewards, Mapping):
+        weights = dict(remote_rewards)
+    else:
+        weights = {name: 1.0 for name in remote_rewards}
+    if not weights:
+        raise ValueError("reward.remote_rewards names no reward; None asks for every reward the server hosts")
+    for name, weight in weights.items():
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
+            raise ValueError(f"reward.remote_rewards.{name} must be a finite number; got {weight!r}")
+    missing = sorted(set(weights) - set(hosted))
+    if missing:
+        raise ValueError(
+            f"the reward server at {url} does not host {missing}; it hosts {hosted} "
+            "(restart it with those names in --rewards, or change reward.remote_rewards)"
+        )
+    return {name: float(w) for name, w in weights.items()}
+
+
+@register_reward("remote")
+class RemoteReward(Reward):
+    """The weighted sum of rewards computed by a reward server, sent uint8 frames over HTTP."""
+
+    name = "remote"
+
+    def __init__(
+        self,
+        remote_url: str | None = None,
+        remote_rewards: Mapping[str, float] | Sequence[str] | str | None = None,
+        remote_timeout_s: float = 300.0,
+        remote_retries: int = 3,
+        remote_backoff_s: float = 0.5,
+        remote_batch_size: int | None = None,
+        remote_num_frames: int | None = None,
+    ) -> None:
+        self.url = check_http_options(
+            "remote", remote_url, remote_timeout_s, remote_retries, remote_backoff_s
+        )
+        if remote_batch_size is not None and (
+            isinstance(remote_batch_size, bool)
+            or not isinstance(remote_batch_size, int)
+            or remote_batch_size < 1
+        ):
+            raise ValueError(
+                f"reward.remote_batch_size must be a positive int or None; got {remote_batch_size!r}"
+            )
+        self.timeout_s, self.retries, self.backoff_s = (
+            float(remote_timeout_s),
+            remote_retries,
+            remote_backoff_s,
+        )
+        self.batch_size = remote_batch_size
+        self.num_frames = check_num_frames(remote_num_frames)
+        self.session = requests.Session()
+        self._lock = threading.Lock()
+        self._counts = {"num_requests": 0, "num_retries": 0, "num_samples": 0}
+        self.last_scores: dict[str, torch.Tensor] = {}
+        """The unweighted score of each remote reward in the last call, (B,) float32 on the videos' device."""
+        self.hosted = self._check_health()
+        self.weights = _resolve_weights(remote_rewards, self.hosted, self.url)
+
+    def _check_health(self) -> list[str]:
+        start = "python -m miles.rewards.serve --rewards NAME[,NAME...] --port PORT"
+        try:
+            response = self._request("GET", "/health", timeout_s=min(self.timeout_s, _CONNECT_TIMEOUT_S))
+            body = response.json()
+            hosted = body["rewards"]
+            if body.get("version") != WIRE_VERSION or not all(isinstance(n, str) for n in hosted):
+                raise ValueError(f"unexpected /health answer {body!r}")
+        except (RemoteRewardError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(
+                f"no miles reward server (wire version {WIRE_VERSION}) answers at {self.url}/health ({e}). "
+                f"Start one before training: {start}, and set reward.remote_url to its address."
+            ) from e
+        return list(hosted)
+
+    def _request(
+        self, method: str, path: str, timeout_s: float | None = None, **kwargs: Any
+    ) -> requests.Response:
+        return http_request(
+            self.session,
+            method,
+            self.url + path,
+            retries=self.retries,
+            backoff_s=self.backoff_s,
+            timeout_s=timeout_s or self.timeout_s,
+            on_retry=lambda: self._count("num_retries"),
+            **kwargs,
+        )
+
+    def _count(self, key: str, n: int = 1) -> None:
+        with self._lock:
+            self._counts[key] += n
+
+    def stats(self) -> dict[str, int]:
+        """Counters since construction: ``num_requests``, ``num_retries``, ``num_samples`` (scored)."""
+        with self._lock:
+            return dict(self._counts)
+
+    def _score_batch(self, frames: np.ndarray, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
+        """One ``POST /score`` (one request id for all its retries): per-reward (b,) float32 scores."""
+        request_id = uuid.uuid4().hex
+        names = list(self.weights)
+        body = encode_request(frames, prompts, names, request_id)
+        self._count("num_requests")
+        response = self._request(
+            "POST", "/score", data=body, headers={"Content-Type": "application/octet-stream"}
+        )
+        where = f"the reward server at {self.url}/score"
+        try:
+            answer = response.json()
+        except ValueError:
+            raise RemoteRewardError(
+                f"{where} answered a body that is not JSON: {response.text[:300]!r}"
+            ) from None
+        scores = answer.get("scores") if isinstance(answer, dict) else None
+        if not isinstance(scores, dict) or answer.get("request_id") != request_id:
+            raise RemoteRewardError(
+                f"{where} answered {str(answer)[:300]!r}; expected "
+                f"{{'request_id': {request_id!r}, 'scores': {{name: [scores]}}}}"
+            )
+        out = {}
+        for name in names:
+            values = scores.get(name)
+            if not isinstance(values, list) or len(values) != len(prompts):
+                got = f"{len(values)} scores" if isinstance(values, list) else repr(values)[:100]
+                raise RemoteRewardError(
+                    f"{where} returned {got} for reward {name!r}; expected {len(prompts)}"
+                )
+            if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+                raise RemoteRewardError(
+                    f"{where} returned non-numeric scores for reward {name!r}: {values[:8]}"
+                )
+            out[name] = torch.tensor(values, dtype=torch.float32)
+        self._count("num_samples", len(prompts))
+        return out
+
+    def __call__(self, videos: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
+        check_videos(videos, prompts)
+        idx = sample_frame_indices(videos.shape[1], self.num_frames).to(videos.device)
+        frames = frames_to_uint8(videos[:, idx])  # (B, K, H, W, C) uint8
+        batch = videos.shape[0]
+        step = self.batch_size or batch
+        parts = [
+            self._score_batch(frames[i : i + step], prompts[i : i + step]) for i in range(0, batch, step)
+        ]
+        per_reward = {name: torch.cat([p[name] for p in parts]) for name in self.weights}
+        # the sum MultiReward would form in-process, in the same order: bitwise equal mixes
+        combined = torch.zeros(batch, dtype=torch.float32)
+        for name, weight in self.weights.items():
+            combined = combined + weight * per_reward[name]
+        self.last_scores = {name: s.to(videos.device) for name, s in per_reward.items()}
+        return combined.to(videos.device)
+
+    def __repr__(self) -> str:
+        return f"RemoteReward({self.url}, {self.weights})"

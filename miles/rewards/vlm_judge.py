@@ -1,0 +1,259 @@
+"""``vlm_judge``: a vision-language model scores each video through an OpenAI-compatible chat API.
+
+    vllm serve Qwen/Qwen2.5-VL-7B-Instruct --port 8001        # or SGLang; or a UnifiedReward model
+    rewards = build_rewards({"vlm_judge": 1.0}, vlm_url="http://127.0.0.1:8001",
+                            vlm_model="Qwen/Qwen2.5-VL-7B-Instruct", vlm_score_range=[1, 5])
+
+Per video, ``vlm_num_frames`` frames sampled uniformly in time (``sample_frame_indices``) are
+quantised with ``frames_to_uint8`` and sent as base64 PNG ``image_url`` parts, followed by the
+question (``vlm_question``, formatted with ``{prompt}``, ``{lo}``, ``{hi}``, ``{num_frames}``), as
+one ``POST {vlm_url}/v1/chat/completions`` per video at temperature 0; up to ``vlm_concurrency``
+are in flight at once (vLLM and SGLang batch them). The constructor lists ``GET /v1/models`` to
+refuse a missing server or an unknown model before the first rollout.
+
+Score parsing (:func:`parse_score`): the number after the last ``score`` followed by ``:`` or
+``=`` (case-insensitive: ``Score: 4``, ``Final Score = 3.5``), else an answer that is only a
+number (``4``, ``4.``). It must lie in ``vlm_score_range`` [lo, hi] and maps to
+``(s - lo) / (hi - lo)`` in [0, 1]. Any other answer is *unparsable*: it is counted
+(``stats()["num_unparsable"]``, and ``last_unparsable`` for the last call) and ``vlm_unparsable``
+decides the sample's fate: ``error`` (default) raises :class:`RemoteRewardError` quoting the
+answer once the whole batch has been asked; ``min`` scores it 0.0, the bottom of the range (an
+explicit penalty; never NaN, which would stop the trainer).
+
+HTTP failures are handled as in :mod:`miles.rewards.remote`: connection errors, timeouts and
+429/5xx are retried ``vlm_retries`` times with backoff ``vlm_backoff_s * 2**k``; another status or
+a malformed answer raises :class:`RemoteRewardError` naming the URL.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import math
+import os
+import re
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import requests
+import torch
+from PIL import Image
+from requests.adapters import HTTPAdapter
+
+from miles.rewards.base import Reward, check_num_frames, check_videos, frames_to_uint8, sample_frame_indices
+from miles.rewards.registry import register_reward
+from miles.rewards.remote import RemoteRewardError, check_http_options, http_request
+
+DEFAULT_QUESTION = (
+    "The {num_frames} images are frames sampled in order from one generated video. "
+    'The video was generated for the prompt: "{prompt}". '
+    "Rate how well the video shows what the prompt describes, and its visual quality, "
+    "on a scale from {lo} (worst) to {hi} (best). "
+    "Give a one-sentence reason, then end with a line 'Score: N'."
+)
+"""The question asked after the frames when ``vlm_question`` is None."""
+
+API_KEY_ENV = ("MILES_VLM_API_KEY", "OPENAI_API_KEY")
+"""Environment variables read, in order, for the bearer token when ``vlm_api_key`` is None."""
+
+_NUMBER = r"[-+]?\d+(?:\.\d+)?"
+SCORE_PATTERN = re.compile(rf"score\s*[:=]\s*\**\s*({_NUMBER})", re.IGNORECASE)
+"""``Score: N`` / ``score = N`` (markdown bold allowed: ``Score: **4**``); the last match counts."""
+BARE_NUMBER_PATTERN = re.compile(rf"\s*\**({_NUMBER})\**\s*\.?\s*")
+"""An answer that is nothing but a number (matched in full)."""
+
+
+def parse_score(answer: str, lo: float, hi: float) -> float | None:
+    """The judge's score in [lo, hi] mapped to [0, 1], or None if ``answer`` holds none (module docstring)."""
+    matches = SCORE_PATTERN.findall(answer)
+    if matches:
+        text = matches[-1]
+    else:
+        bare = BARE_NUMBER_PATTERN.fullmatch(answer)
+        if bare is None:
+            return None
+        text = bare.group(1)
+    score = float(text)
+    if not lo <= score <= hi:
+        return None
+    return (score - lo) / (hi - lo)
+
+
+def encode_png(frame: np.ndarray) -> str:
+    """(H, W, 3) uint8 -> a ``data:image/png;base64,...`` URL."""
+    buffer = io.BytesIO()
+    Image.fromarray(frame).save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def _check_score_range(score_range: Sequence[float]) -> tuple[float, float]:
+    ok = (
+        isinstance(score_range, Sequence)
+        and len(score_range) == 2
+        and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in score_range)
+    )
+    if not ok or not all(math.isfinite(x) for x in score_range) or not score_range[0] < score_range[1]:
+        raise ValueError(
+            f"reward.vlm_score_range must be [lo, hi] with lo < hi, e.g. [1, 5]; got {score_range!r}"
+        )
+    return float(score_range[0]), float(score_range[1])
+
+
+def _check_positive_int(key: str, value: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"reward.{key} must be a positive int; got {value!r}")
+    return value
+
+
+@register_reward("vlm_judge")
+class VLMJudge(Reward):
+    """A VLM's rating of each video against its prompt, from sampled frames, mapped to [0, 1]."""
+
+    name = "vlm_judge"
+
+    def __init__(
+        self,
+        vlm_url: str | None = None,
+        vlm_model: str | None = None,
+        vlm_api_key: str | None = None,
+        vlm_question: str | None = None,
+        vlm_num_frames: int = 4,
+        vlm_score_range: Sequence[float] = (1.0, 5.0),
+        vlm_unparsable: str = "error",
+        vlm_timeout_s: float = 120.0,
+        vlm_retries: int = 3,
+        vlm_backoff_s: float = 1.0,
+        vlm_concurrency: int = 8,
+        vlm_max_tokens: int = 512,
+    ) -> None:
+        base = check_http_options("vlm", vlm_url, vlm_timeout_s, vlm_retries, vlm_backoff_s)
+        self.url = base.removesuffix("/v1")
+        self.lo, self.hi = _check_score_range(vlm_score_range)
+        self.num_frames = _check_positive_int("vlm_num_frames", check_num_frames(vlm_num_frames))
+        self.concurrency = _check_positive_int("vlm_concurrency", vlm_concurrency)
+        self.max_tokens = _check_positive_int("vlm_max_tokens", vlm_max_tokens)
+        if vlm_unparsable not in ("error", "min"):
+            raise ValueError(f"reward.vlm_unparsable must be 'error' or 'min'; got {vlm_unparsable!r}")
+        self.unparsable = vlm_unparsable
+        self.question = DEFAULT_QUESTION if vlm_question is None else vlm_question
+        if "{prompt}" not in self.question:
+            raise ValueError(f"reward.vlm_question must contain {{prompt}}; got {self.question!r}")
+        try:
+            self._question("x")
+        except (KeyError, IndexError, ValueError) as e:
+            raise ValueError(
+                f"reward.vlm_question may use only {{prompt}}, {{lo}}, {{hi}}, {{num_frames}} "
+                f"(double other braces); formatting it failed: {e!r}"
+            ) from e
+        self.timeout_s, self.retries, self.backoff_s = float(vlm_timeout_s), vlm_retries, vlm_backoff_s
+        api_key = vlm_api_key or next((os.environ[k] for k in API_KEY_ENV if os.environ.get(k)), None)
+        self.session = requests.Session()  # thread-safe for plain requests (no cookies are used)
+        adapter = HTTPAdapter(pool_maxsize=self.concurrency)
+        self.session.mount("http://", adapter)
+        self.session.mount("https://", adapter)
+        if api_key:
+            self.session.headers["Authorization"] = f"Bearer {api_key}"
+        self._lock = threading.Lock()
+        self._counts = {"num_requests": 0, "num_retries": 0, "num_unparsable": 0}
+        self.last_unparsable = 0
+        """Unparsable answers in the last call (``vlm_unparsable`` says what they scored)."""
+        self.last_answers: list[str] = []
+        """The judge's raw answers in the last call, one per video."""
+        self.model = self._check_model(vlm_model)
+
+    def _question(self, prompt: str) -> str:
+        return self.question.format(
+            prompt=prompt, lo=f"{self.lo:g}", hi=f"{self.hi:g}", num_frames=self.num_frames
+        )
+
+    def _check_model(self, model: str | None) -> str:
+        """The served model to ask: ``model``, or the only one ``/v1/models`` lists; else ValueError."""
+        url = f"{self.url}/v1/models"
+        try:
+            response = self._request("GET", url, timeout_s=min(self.timeout_s, 10.0))
+            served = [m["id"] for m in response.json()["data"]]
+        except (RemoteRewardError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(
+                f"no OpenAI-compatible server answers GET {url} ({e}). Start the VLM server first "
+                f"(e.g. vllm serve MODEL --port PORT) and set reward.vlm_url to its base URL."
+            ) from e
+        if model is None:
+            if len(served) != 1:
+                raise ValueError(f"{url} serves {served}: set reward.vlm_model to one of them")
+            return served[0]
+        if model not in served:
+            raise ValueError(f"reward.vlm_model={model!r} is not served at {url}; it serves {served}")
+        return model
+
+    def _request(self, method: str, url: str, timeout_s: float | None = None, **kwargs) -> requests.Response:
+        return http_request(
+            self.session,
+            method,
+            url,
+            retries=self.retries,
+            backoff_s=self.backoff_s,
+            timeout_s=timeout_s or self.timeout_s,
+            on_retry=lambda: self._count("num_retries"),
+            **kwargs,
+        )
+
+    def _count(self, key: str, n: int = 1) -> None:
+        with self._lock:
+            self._counts[key] += n
+
+    def stats(self) -> dict[str, int]:
+        """Counters since construction (``num_requests``, ``num_retries``, ``num_unparsable``) and
+        ``last_unparsable``; the trainer can log them."""
+        with self._lock:
+            return {**self._counts, "last_unparsable": self.last_unparsable}
+
+    def _ask(self, frames: np.ndarray, prompt: str) -> str:
+        """One chat completion for one video's frames (K, H, W, C) uint8: the answer's text."""
+        content = [{"type": "image_url", "image_url": {"url": encode_png(f)}} for f in frames]
+        content.append({"type": "text", "text": self._question(prompt)})
+        payload = {
+            "model": self.model,
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": self.max_tokens,
+            "temperature": 0.0,
+        }
+        url = f"{self.url}/v1/chat/completions"
+        self._count("num_requests")
+        response = self._request("POST", url, json=payload)
+        try:
+            text = response.json()["choices"][0]["message"]["content"]
+            if isinstance(text, list):  # some servers answer content parts
+                text = "".join(p.get("text", "") for p in text if isinstance(p, dict))
+            if not isinstance(text, str):
+                raise TypeError(f"content is {type(text).__name__}")
+        except (ValueError, KeyError, IndexError, TypeError) as e:
+            raise RemoteRewardError(
+                f"{url} answered no choices[0].message.content ({e!r}): {response.text[:300]!r}"
+            ) from None
+        return text
+
+    def __call__(self, videos: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
+        check_videos(videos, prompts)
+        idx = sample_frame_indices(videos.shape[1], self.num_frames).to(videos.device)
+        frames = frames_to_uint8(videos[:, idx])  # (B, K, H, W, C)
+        with ThreadPoolExecutor(max_workers=min(self.concurrency, len(prompts))) as pool:
+            answers = list(pool.map(self._ask, frames, prompts))
+        parsed = [parse_score(a, self.lo, self.hi) for a in answers]
+        bad = [i for i, s in enumerate(parsed) if s is None]
+        self.last_answers, self.last_unparsable = answers, len(bad)
+        self._count("num_unparsable", len(bad))
+        if bad and self.unparsable == "error":
+            i = bad[0]
+            raise RemoteRewardError(
+                f"the VLM judge at {self.url} gave {len(bad)} unparsable answer(s) of {len(answers)} "
+                f"(no 'Score: N' with N in [{self.lo:g}, {self.hi:g}]); the first, for prompt "
+                f"{prompts[i]!r}: {answers[i][:300]!r}. Fix reward.vlm_question or vlm_score_range, or set "
+                "reward.vlm_unparsable: min to score such answers 0"
+            )
+        scores = [0.0 if s is None else s for s in parsed]  # vlm_unparsable min: the range's bottom
+        return torch.tensor(scores, dtype=torch.float32, device=videos.device)
+
+    def __repr__(self) -> str:
+        return f"VLMJudge({self.url}, model={self.model!r})"
