@@ -51,7 +51,16 @@ def main(argv: list[str] | None = None) -> int:
             if int(os.environ.get("RANK", "0")) == 0:
                 print(f"error: {e}", file=sys.stderr)
             return 2
-        trainer.train()
+        trainer.train()  # a SIGINT/SIGTERM ends it early with a checkpoint (miles/train/stop.py)
+    except KeyboardInterrupt:
+        # Ctrl-C outside the training loop's safe points (while loading or exporting).
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(
+                "[miles] interrupted while loading or exporting: nothing more was saved (complete "
+                "checkpoints are kept; relaunch to resume)",
+                file=sys.stderr,
+            )
+        return 130
     except (RuntimeError, dist.DistBackendError) as e:
         if "timed out" in str(e).lower() or "timeout" in str(e).lower():
             print(

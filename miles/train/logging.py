@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import secrets
 import sys
 import time
 from pathlib import Path
@@ -40,6 +41,20 @@ def _scalar(v):
     return float(v) if isinstance(v, (int, float, np.floating, np.integer)) else v
 
 
+WANDB_ID_FILE = "wandb_run_id"
+
+
+def wandb_run_id(run_dir: Path) -> str:
+    """The run directory's wandb run id: read from ``<run>/wandb_run_id``, or made and written there
+    on the first launch, so that every resume logs into the same wandb run."""
+    path = Path(run_dir) / WANDB_ID_FILE
+    if path.is_file() and (run_id := path.read_text().strip()):
+        return run_id
+    run_id = secrets.token_hex(4)  # wandb's ids are lowercase letters and digits
+    path.write_text(run_id + "\n")
+    return run_id
+
+
 class MetricsLogger:
     """Per-step metrics to ``metrics.jsonl`` in the run directory and to wandb (rank 0 only)."""
 
@@ -55,7 +70,13 @@ class MetricsLogger:
             import wandb
 
             self._wandb = wandb.init(
-                project=project, name=name, dir=str(self.run_dir), mode=mode, config=config, resume="allow"
+                project=project,
+                name=name,
+                dir=str(self.run_dir),
+                mode=mode,
+                config=config,
+                id=wandb_run_id(self.run_dir),
+                resume="allow",
             )
 
     def truncate_after(self, step: int) -> None:

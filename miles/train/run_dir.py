@@ -16,7 +16,16 @@ import shutil
 from pathlib import Path
 
 # What a run writes into its directory (docs/reliability.md); overwrite removes these only.
-RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "export", "samples", "eval", "wandb", "config.yaml")
+RUN_OUTPUTS = (
+    "checkpoints",
+    "metrics.jsonl",
+    "export",
+    "samples",
+    "eval",
+    "wandb",
+    "wandb_run_id",
+    "config.yaml",
+)
 
 
 def previous_run(run_dir: Path) -> list[str]:

@@ -17,7 +17,9 @@ import dataclasses
 import math
 import os
 import resource
+import shlex
 import signal
+import sys
 import time
 import warnings
 from datetime import timedelta
@@ -57,6 +59,7 @@ from miles.train.export import export_pipeline
 from miles.train.logging import MetricsLogger, print0
 from miles.train.old_policy import OldPolicy
 from miles.train.run_dir import check_run_dir, clear_run_dir
+from miles.train.stop import GracefulStop, StopRequested, maybe_inject_signal
 
 
 def _maybe_inject_fault(rank: int, step: int) -> None:
@@ -65,6 +68,10 @@ def _maybe_inject_fault(rank: int, step: int) -> None:
     spec = os.environ.get("MILES_FAULT_KILL")
     if spec and spec == f"{rank}:{step}":
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+# Flags of a fresh start, dropped from the resume command printed after a stop.
+_FRESH_START_FLAGS = ("--train.no-resume", "--train.overwrite")
 
 
 class NonFiniteError(RuntimeError):
@@ -176,6 +183,7 @@ class Trainer:
         )
         self._saved_step = -1
         self._eval_step = -1
+        self.stop = GracefulStop(self.device)  # SIGINT/SIGTERM: save at the next safe point, then exit
         self.step = 0  # optimizer steps taken
         self.rollout_index = 0  # rollout batches completed
         self.experts = nn.ModuleList(self.model.transformers)  # one module for checkpoints
@@ -374,7 +382,10 @@ class Trainer:
             ),
             torch.no_grad(),
         ):
-            for sl in self._bar(self._micro_slices(len(prompts)), "rollout micro-batches"):
+            for mb, sl in enumerate(self._bar(self._micro_slices(len(prompts)), "rollout micro-batches")):
+                maybe_inject_signal(self.rank, self.rollout_index, mb)
+                if self.stop.requested():  # nothing trained yet: abandon the rollout
+                    raise StopRequested
                 # Text encoding, sampling and decoding all run on the same fixed micro-batches, so
                 # a sample's numbers do not depend on the layout (or on dp), and training's
                 # recompute sees exactly the rollout's batch composition.
@@ -619,6 +630,8 @@ class Trainer:
     # ------------------------------------------------------------------------------------------
 
     def train(self) -> None:
+        """Every rollout up to ``train.num_rollouts``, then the final evaluation, save and export.
+        A SIGINT/SIGTERM stops it at the next safe point with a checkpoint (``self.stop``)."""
         cfg = self.cfg
         bar = tqdm(
             total=cfg.train.num_rollouts,
@@ -626,45 +639,75 @@ class Trainer:
             desc="rollouts",
             disable=self.rank != 0 or not cfg.run.progress,
         )
-        if self.rollout_index == 0:
-            self.evaluate()  # the baseline
-        while self.rollout_index < cfg.train.num_rollouts:
-            if self.device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(self.device)
-            t0 = time.perf_counter()
-            batch = self.rollout()
-            t1 = time.perf_counter()
-            try:
-                batch = self.score(batch)
-                t2 = time.perf_counter()
-                step_stats = self.train_on(batch)
-                after = self.algorithm.after_rollout(self.policy, self.step)
-            except NonFiniteError as e:
-                # Nothing of this rollout is saved: the last complete checkpoint stays the good one.
-                last = latest_checkpoint(self.run_dir)
-                raise NonFiniteError(
-                    f"{e}. Stopped without saving; the last good checkpoint is {last or 'none (none was saved)'}"
-                ) from None
-            t3 = time.perf_counter()
-            self._log(batch, step_stats, after, t1 - t0, t2 - t1, t3 - t2)
-            self.rollout_index += 1
-            bar.update(1)
-            if cfg.eval.every and self.rollout_index % cfg.eval.every == 0:
+        with self.stop:
+            if self.rollout_index == 0:
+                self.evaluate()  # the baseline
+            while self.rollout_index < cfg.train.num_rollouts and not self.stop.requested():
+                if not self._iteration():
+                    break
+                bar.update(1)
+                if cfg.eval.every and self.rollout_index % cfg.eval.every == 0:
+                    self.evaluate()
+                every = cfg.train.checkpoint_every
+                if every and self.rollout_index % every == 0 and self.rollout_index < cfg.train.num_rollouts:
+                    self.save()
+            bar.close()
+            if self.stop.agreed:
+                self._save_on_stop()
+                return
+            if self._eval_step != self.step:
                 self.evaluate()
-            every = cfg.train.checkpoint_every
-            if every and self.rollout_index % every == 0 and self.rollout_index < cfg.train.num_rollouts:
+            if self._saved_step != self.step:
                 self.save()
-        bar.close()
-        if self._eval_step != self.step:
-            self.evaluate()
-        if self._saved_step != self.step:
-            self.save()
         if cfg.train.export:
             with self._averaged():
                 out = export_pipeline(
                     cfg, self.model.path, list(self.model.transformers), self.run_dir / "export"
                 )
             print0(f"[miles] exported the trained model to {out}")
+
+    def _iteration(self) -> bool:
+        """One rollout → reward → update → log; False when a stop request abandoned the rollout
+        before it trained (the prompt sampler is then put back: the resumed run redoes it)."""
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        sampler_state = self.sampler.state_dict()
+        t0 = time.perf_counter()
+        try:
+            batch = self.rollout()
+            if self.stop.requested():
+                raise StopRequested
+        except StopRequested:
+            self.sampler.load_state_dict(sampler_state)
+            return False
+        t1 = time.perf_counter()
+        try:
+            batch = self.score(batch)
+            t2 = time.perf_counter()
+            step_stats = self.train_on(batch)
+            after = self.algorithm.after_rollout(self.policy, self.step)
+        except NonFiniteError as e:
+            # Nothing of this rollout is saved: the last complete checkpoint stays the good one.
+            last = latest_checkpoint(self.run_dir)
+            raise NonFiniteError(
+                f"{e}. Stopped without saving; the last good checkpoint is {last or 'none (none was saved)'}"
+            ) from None
+        t3 = time.perf_counter()
+        self._log(batch, step_stats, after, t1 - t0, t2 - t1, t3 - t2)
+        self.rollout_index += 1
+        return True
+
+    def _save_on_stop(self) -> None:
+        """The stop request's checkpoint (unless this step is saved already) and how to resume."""
+        if self._saved_step != self.step:
+            self.save()
+        path = latest_checkpoint(self.run_dir)
+        again = " ".join(shlex.quote(a) for a in sys.argv[1:] if a not in _FRESH_START_FLAGS)
+        print0(
+            f"[miles] stopped by {self.stop.name} after step {self.step} ({self.rollout_index} of "
+            f"{self.cfg.train.num_rollouts} rollouts done); the checkpoint is {path or 'none (step 0)'}. To resume, "
+            f"relaunch the same command: train_grpo.py {again}"
+        )
 
     def _averaged(self):
         """The EMA weights in place of the trained ones (``train.ema_decay``), else nothing."""

@@ -27,8 +27,10 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,21 +63,44 @@ class Launch:
         return RESUMED.search(self.output)
 
 
-def launch(root: Path, name: str, *flags: str, env: dict | None = None, timeout: float = 400) -> Launch:
-    """One 4-process torchrun launch of train_grpo.py on the tiny recipe into ``root/name``."""
+def launch(
+    root: Path,
+    name: str,
+    *flags: str,
+    env: dict | None = None,
+    timeout: float = 400,
+    interrupt_after: str | None = None,
+) -> Launch:
+    """One 4-process torchrun launch of train_grpo.py on the tiny recipe into ``root/name``.
+    ``interrupt_after``: SIGINT the launch's whole process group (torchrun and every worker, as a
+    Ctrl-C in a terminal does) as soon as an output line starts with this text."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
     cmd += ["--max-restarts", "0", "train_grpo.py", "--config", "configs/tiny_cpu.yaml"]
     cmd += ["--run.output-dir", str(root), "--run.name", name, "--run.wandb-mode", "disabled"]
     cmd += ["--run.no-progress", "--deterministic-mode", "--train.weight-digest", "--train.no-export"]
     cmd += ["--train.checkpoint-every", "1", "--train.steps-per-rollout", "2", *flags]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
-    if env is None or "MILES_FAULT_KILL" not in env:
-        full_env.pop("MILES_FAULT_KILL", None)
+    for hook in ("MILES_FAULT_KILL", "MILES_FAULT_SIGNAL"):
+        if env is None or hook not in env:
+            full_env.pop(hook, None)
     t0 = time.monotonic()
-    proc = subprocess.run(
-        cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout, check=False
-    )
-    return Launch(proc.returncode, proc.stdout + proc.stderr, time.monotonic() - t0, root / name)
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    timer = threading.Timer(timeout, os.killpg, (proc.pid, signal.SIGKILL))
+    timer.start()
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if interrupt_after and line.startswith(interrupt_after):
+                os.killpg(proc.pid, signal.SIGINT)
+                interrupt_after = None
+        proc.wait()
+    finally:
+        timer.cancel()
+    return Launch(proc.returncode, "".join(lines), time.monotonic() - t0, root / name)
 
 
 def launch_ok(root: Path, name: str, *flags: str) -> Launch:
@@ -273,3 +298,44 @@ def test_rerun_with_no_resume_refuses_then_overwrites(reference, tmp_path):
     assert fresh.saved() == {2: reference.saved()[2]}
     want = last_rows(reference.run_dir)
     assert last_rows(run_dir) == {1: want[1], 2: want[2]}
+
+
+def _tracebacks(output: str) -> int:
+    return sum(1 for line in output.splitlines() if line.startswith("Traceback"))
+
+
+def test_signal_stops_with_a_checkpoint_then_resume_is_bitwise_exact(reference):
+    """SIGTERM to one rank in the middle of rollout 1 (as Slurm's preemption signal, or a kill of
+    one process): every rank abandons the rollout, step 2 is saved, every rank exits 0 with no
+    traceback and the resume command is printed; resuming reaches the reference's step-6 weights
+    and metrics bitwise. Then a Ctrl-C (SIGINT to torchrun and every worker) while rollout 1 runs:
+    a checkpoint equal to the reference's at that step, torchrun's own SignalException the only
+    traceback."""
+    root = reference.run_dir.parent
+    flags = ("--train.num-rollouts", "3", "--train.checkpoint-every", "0")
+    stopped = launch(root, "sigterm", *flags, env={"MILES_FAULT_SIGNAL": "2:1"})
+    assert stopped.returncode == 0, stopped.output[-3000:]
+    assert _tracebacks(stopped.output) == 0, stopped.output[-3000:]
+    assert stopped.saved() == {2: reference.saved()[2]}, stopped.output[-3000:]
+    assert "stopped by SIGTERM after step 2 (1 of 3 rollouts done)" in stopped.output
+    assert (
+        "To resume, relaunch the same command: train_grpo.py --config configs/tiny_cpu.yaml" in stopped.output
+    )
+    assert checkpoint_names(stopped.run_dir) == ["step_000002"]
+    assert sorted(last_rows(stopped.run_dir)) == [1, 2]
+
+    resumed = launch_ok(root, "sigterm", *flags)
+    match = resumed.resumed()
+    assert match is not None and Path(match[1]).name == "step_000002", resumed.output[-3000:]
+    assert resumed.saved() == {6: reference.saved()[6]}, "final weights differ from the uninterrupted run"
+    assert last_rows(resumed.run_dir) == last_rows(reference.run_dir)
+
+    ctrl_c = launch(root, "ctrl_c", *flags, interrupt_after="[rollout 0]")
+    assert "stopped by SIGINT after step" in ctrl_c.output, ctrl_c.output[-3000:]
+    saved = ctrl_c.saved()
+    assert len(saved) == 1 and saved == {s: reference.saved()[s] for s in saved}, ctrl_c.output[-3000:]
+    assert _tracebacks(ctrl_c.output) <= 1 and "KeyboardInterrupt" not in ctrl_c.output, ctrl_c.output[-3000:]
+    print(
+        f"SIGTERM launch {stopped.seconds:.0f} s, resumed {resumed.seconds:.0f} s; Ctrl-C launch "
+        f"{ctrl_c.seconds:.0f} s, saved step {next(iter(saved))}"
+    )

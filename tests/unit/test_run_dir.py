@@ -54,3 +54,17 @@ def test_overwrite_needs_no_resume():
     with pytest.raises(ConfigError, match="needs --train.no-resume"):
         Config(train=TrainConfig(overwrite=True))
     Config(train=TrainConfig(overwrite=True, resume=False))
+
+
+def test_every_launch_logs_into_the_same_wandb_run(tmp_path, monkeypatch):
+    """The first launch writes its wandb run id into the run directory; a resume reads it back."""
+    from miles.train.logging import WANDB_ID_FILE, MetricsLogger
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    ids = []
+    for _ in range(2):
+        logger = MetricsLogger(tmp_path, {}, mode="offline", project="miles", name="x", enabled=True)
+        ids.append(logger._wandb.id)
+        logger.close()
+    assert ids[0] == ids[1] == (tmp_path / WANDB_ID_FILE).read_text().strip()
+    assert WANDB_ID_FILE in RUN_OUTPUTS  # --train.overwrite starts a new wandb run
