@@ -17,6 +17,8 @@
 #   RDZV_ID         rendezvous id shared by the nodes of one job (default: $SLURM_JOB_ID, else "miles")
 #   TORCHRUN        torchrun to use (default: .venv/bin/torchrun in the repository, else torchrun)
 #   TORCHRUN_ARGS   extra torchrun flags, word-split (e.g. "--max-restarts 0")
+#   TORCH_ELASTIC_SHUTDOWN_TIMEOUT  seconds torchrun waits, after a SIGINT/SIGTERM, for the workers
+#                   to save their checkpoint before it kills them (default here 100; torch's is 30)
 #
 # The rest of the arguments go to train_grpo.py. Ranks are contiguous per node, so Ulysses
 # groups (contiguous ranks) stay inside a node when --ulysses-degree divides NPROC_PER_NODE
@@ -39,6 +41,8 @@ if [[ -z "${TORCHRUN:-}" ]]; then
     if [[ -x "$ROOT/.venv/bin/torchrun" ]]; then TORCHRUN="$ROOT/.venv/bin/torchrun"; else TORCHRUN=torchrun; fi
 fi
 export NPROC_PER_NODE  # read by the dry run
+# A stopped run saves a checkpoint at its next safe point (miles/train/stop.py): give it time.
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-100}"
 
 # shellcheck disable=SC2086  # TORCHRUN_ARGS is meant to be word-split
 exec "$TORCHRUN" \

@@ -23,6 +23,9 @@ fi
 if [[ -z "${TORCHRUN:-}" ]]; then
     if [[ -x "$ROOT/.venv/bin/torchrun" ]]; then TORCHRUN="$ROOT/.venv/bin/torchrun"; else TORCHRUN=torchrun; fi
 fi
+# After a Ctrl-C or SIGTERM the trainer saves a checkpoint (miles/train/stop.py); torchrun waits
+# this long for it before killing the workers (torch's default is 30 s).
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-100}"
 
 # shellcheck disable=SC2086  # TORCHRUN_ARGS is meant to be word-split
 exec "$TORCHRUN" --standalone --nnodes 1 --nproc-per-node "$NPROC" ${TORCHRUN_ARGS:-} \

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import stat
 import subprocess
@@ -195,3 +196,44 @@ def test_slurm_script_starts_one_multi_node_per_node(tmp_path):
         assert f"--nnodes 2 --node-rank {node_rank} --nproc-per-node 4" in line
         assert "--rdzv-endpoint gpu-a:29500 --rdzv-id 4242" in line
         assert line.endswith("--config c.yaml --sequence-parallel-size 8")
+
+
+def test_slurm_script_forwards_sigterm_and_requeues(tmp_path):
+    """Slurm's ``--signal=B:TERM@120`` reaches the batch script: it forwards SIGTERM to srun (which
+    passes it to the trainers), waits for srun to end, then requeues the job."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    log = tmp_path / "calls.log"
+    _write_exe(
+        bin_dir / "scontrol",
+        f'#!/usr/bin/env bash\nif [[ "$1" == show ]]; then echo gpu-a; else echo "scontrol $*" >> {log}; fi\n',
+    )
+    # srun: stands for a running job until SIGTERM, then takes a moment to "save" and exits 0.
+    _write_exe(
+        bin_dir / "srun",
+        f"#!/usr/bin/env bash\ntrap 'kill $!; sleep 0.5; echo \"srun got TERM\" >> {log}; exit 0' TERM\n"
+        f"echo started >> {log}\nsleep 30 &\nwait\n",
+    )
+    env = _env(
+        PATH=f"{bin_dir}:{os.environ['PATH']}",
+        SLURM_SUBMIT_DIR=str(ROOT),
+        SLURM_JOB_NUM_NODES="1",
+        SLURM_JOB_NODELIST="gpu-a",
+        SLURM_JOB_ID="4242",
+    )
+    job = subprocess.Popen(
+        ["bash", str(LAUNCH / "slurm.sbatch"), "--config", "c.yaml"],
+        env=env,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    deadline = time.monotonic() + 20
+    while not (log.exists() and "started" in log.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    job.send_signal(signal.SIGTERM)
+    out, _ = job.communicate(timeout=20)
+    assert job.returncode == 0, out
+    assert log.read_text().splitlines() == ["started", "srun got TERM", "scontrol requeue 4242"], out
+    assert "requeueing job 4242" in out
