@@ -40,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
         for warning in config_warnings(cfg):
             print(f"[miles] warning: {warning}", file=sys.stderr)
 
+    from miles.train.checkpoint import CheckpointWriteError
+    from miles.train.export import ExportWriteError
     from miles.train.trainer import Trainer
 
     trainer = None
@@ -52,6 +54,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"error: {e}", file=sys.stderr)
             return 2
         trainer.train()  # a SIGINT/SIGTERM ends it early with a checkpoint (miles/train/stop.py)
+    except (CheckpointWriteError, ExportWriteError) as e:  # raised on every rank that writes
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         # Ctrl-C outside the training loop's safe points (while loading or exporting).
         if int(os.environ.get("RANK", "0")) == 0:

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 _NAME = re.compile(r"^step_(\d{6,})$")
@@ -70,6 +71,64 @@ def has_ema(path: Path) -> bool:
     return has_state(path, "ema")
 
 
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (disk full, read-only or vanished run directory); raised on
+    every rank, after the ``.partial`` folder was removed."""
+
+
+def _all_ok(ok: bool) -> bool:
+    """Collective: whether ``ok`` holds on every rank."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int64, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def checkpoint_error_reason(error: BaseException) -> str:
+    """The first underlying OS error of ``error`` (DCP wraps each rank's), as one line."""
+    if isinstance(error, CheckpointException):
+        inner = [exc for exc, _ in error.failures.values()]
+        error = next((e for e in inner if isinstance(e, OSError)), inner[0] if inner else error)
+    if isinstance(error, OSError) and error.strerror:
+        return f"{error.strerror}" + (f": {error.filename}" if error.filename else "")
+    return f"{type(error).__name__}: {error}"
+
+
+def _write_failed(root: Path, partial: Path, final: Path, error: BaseException | None) -> None:
+    """Remove the partial folder (rank 0), then raise on every rank naming the reason and the fix."""
+    reason = checkpoint_error_reason(error) if error is not None else "another rank failed to write its shard"
+    if dist.get_rank() == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+    dist.barrier()
+    latest = latest_checkpoint(root.parent)
+    raise CheckpointWriteError(
+        f"could not write the checkpoint {final} ({reason}). Free space on that disk, or set "
+        f"--run.output-dir to a writable folder with room (a checkpoint holds the weights and the AdamW "
+        f"state); the last complete checkpoint is {latest or 'none'}"
+    )
+
+
+def _prepare(root: Path, final: Path) -> None:
+    """Rank 0, before a save: the checkpoints folder exists; leftovers of interrupted saves (a
+    ``.partial``, or a step folder without its marker) and an old copy of ``final`` are gone."""
+    root.mkdir(parents=True, exist_ok=True)
+    for stale in root.iterdir():
+        if stale.name.endswith(".partial") or (
+            _NAME.match(stale.name) and not (stale / "COMPLETE").is_file()
+        ):
+            shutil.rmtree(stale, ignore_errors=True)
+    if final.exists():
+        shutil.rmtree(final)
+
+
+def _finalize(partial: Path, final: Path, step: int, trainer_state: dict) -> None:
+    """Rank 0, after every shard is written: ``trainer.json``, ``COMPLETE``, then the rename."""
+    with open(partial / "trainer.json", "w") as f:
+        json.dump(trainer_state, f, indent=1)
+    (partial / "COMPLETE").write_text(f"{step}\n")
+    os.replace(partial, final)
+
+
 def save_checkpoint(
     run_dir: Path,
     step: int,
@@ -81,34 +140,59 @@ def save_checkpoint(
     old_policy=None,
 ) -> Path:
     """Collective: every rank writes its shards; rank 0 finalises. Returns the checkpoint path.
-    ``ema`` / ``old_policy``: the EMA of the weights and the old policy, saved where given."""
+    ``ema`` / ``old_policy``: the EMA of the weights and the old policy, saved where given. A write
+    that fails on any rank raises :class:`CheckpointWriteError` on every rank, leaving no ``.partial``."""
     root = checkpoint_dir(run_dir)
     final = root / f"step_{step:06d}"
     partial = root / f"step_{step:06d}.partial"
     rank = dist.get_rank()
+    error: BaseException | None = None
     if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        # Leftovers of an interrupted save: a .partial, or a step folder without its marker
-        # (a complete checkpoint gets its name only after COMPLETE is written).
-        for stale in root.iterdir():
-            if stale.name.endswith(".partial") or (
-                _NAME.match(stale.name) and not (stale / "COMPLETE").is_file()
-            ):
-                shutil.rmtree(stale, ignore_errors=True)
-        if final.exists():
-            shutil.rmtree(final)
-    dist.barrier()
-    dcp.save(_model_state(models, optimizer, ema=ema, old_policy=old_policy), checkpoint_id=str(partial))
-    dist.barrier()
+        try:
+            _prepare(root, final)
+        except OSError as e:
+            error = e
+    if not _all_ok(error is None):
+        _write_failed(root, partial, final, error)
+    try:
+        dcp.save(_model_state(models, optimizer, ema=ema, old_policy=old_policy), checkpoint_id=str(partial))
+    except (OSError, CheckpointException) as e:  # DCP raises on every rank when one fails
+        error = e
+    if not _all_ok(error is None):
+        _write_failed(root, partial, final, error)
     if rank == 0:
-        with open(partial / "trainer.json", "w") as f:
-            json.dump(trainer_state, f, indent=1)
-        (partial / "COMPLETE").write_text(f"{step}\n")
-        os.replace(partial, final)
+        try:
+            _finalize(partial, final, step, trainer_state)
+        except OSError as e:
+            error = e
+    if not _all_ok(error is None):
+        _write_failed(root, partial, final, error)
+    if rank == 0:
         for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return final
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why the complete checkpoint at ``path`` cannot be loaded, or None when it looks whole: an
+    unreadable ``trainer.json`` or ``.metadata``, or a shard missing or shorter than the metadata says
+    (a copy or a disk that cut it short). Reads only file sizes and the metadata."""
+    try:
+        json.loads((path / "trainer.json").read_text())
+        meta = dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # noqa: BLE001 - any unreadable metadata makes the checkpoint unusable
+        return f"its metadata cannot be read ({type(e).__name__}: {e})"
+    need: dict[str, int] = {}
+    for info in meta.storage_data.values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(need.items()):
+        shard = path / name
+        if not shard.is_file():
+            return f"its shard {name} is missing"
+        if (have := shard.stat().st_size) < size:
+            return f"its shard {name} is truncated ({have} bytes; the metadata needs {size})"
+    return None
 
 
 def load_checkpoint(

@@ -31,6 +31,10 @@ def full_state_dicts(experts: list[nn.Module]) -> list[dict[str, torch.Tensor]]:
     return [get_model_state_dict(e, options=options) for e in experts]
 
 
+class ExportWriteError(RuntimeError):
+    """The export could not be written (disk full, read-only run directory); no ``.partial`` is left."""
+
+
 def export_pipeline(cfg: Config, model_path: Path, experts: list[nn.Module], out_dir: Path) -> Path | None:
     """Collective; rank 0 writes ``out_dir``. Returns the folder on rank 0, None elsewhere."""
     states = full_state_dicts(experts)
@@ -38,8 +42,18 @@ def export_pipeline(cfg: Config, model_path: Path, experts: list[nn.Module], out
         # No barrier: writing a large pipeline can outlast the collective timeout, and nothing
         # after the export needs the other ranks.
         return None
-    _write(cfg, model_path, states, Path(out_dir))
-    return Path(out_dir)
+    out_dir = Path(out_dir)
+    try:
+        _write(cfg, model_path, states, out_dir)
+    except OSError as e:
+        shutil.rmtree(out_dir.with_name(out_dir.name + ".partial"), ignore_errors=True)
+        reason = f"{e.strerror}: {e.filename}" if e.strerror else str(e)
+        raise ExportWriteError(
+            f"could not write the export {out_dir} ({reason}). The final checkpoint is saved: free space "
+            "or make the run directory writable, then relaunch the same command with --train.num-rollouts "
+            "unchanged to export again"
+        ) from None
+    return out_dir
 
 
 def _write(cfg: Config, model_path: Path, states: list[dict], out_dir: Path) -> None:

@@ -12,6 +12,7 @@ all of them refuse together before any weights load; rank 0 alone deletes.
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -55,6 +56,7 @@ def check_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> None:
                 f"{parent} is a file, so the run directory {run_dir} cannot be created; set "
                 "--run.output-dir to a folder (or a path that does not exist yet)"
             )
+    check_writable(run_dir)
     if resume or overwrite:
         return
     found = previous_run(run_dir)
@@ -65,6 +67,20 @@ def check_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> None:
             "start the new run in its own directory (--run.name NEW_NAME), or replace the previous run "
             "(--train.overwrite deletes its checkpoints, metrics, export, samples, eval and wandb files)"
         )
+
+
+def check_writable(run_dir: Path) -> None:
+    """Raise ``ValueError`` unless this process may write into ``run_dir`` (or create it): a read-only
+    disk found now costs nothing, found at the first checkpoint it costs the training until then."""
+    targets = [p for p in (run_dir, run_dir / "checkpoints") if p.is_dir()]
+    if not targets:  # not created yet: the nearest folder above it must take it
+        targets = [next(p for p in run_dir.absolute().parents if p.exists())]
+    for path in targets:
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise ValueError(
+                f"{path} is not writable (a read-only disk or folder), so the run cannot save its "
+                "checkpoints: set --run.output-dir to a writable folder, or fix the permissions"
+            )
 
 
 def clear_run_dir(run_dir: Path) -> list[str]:

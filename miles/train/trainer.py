@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 import yaml
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from tqdm import tqdm
 
 from miles.algorithms import Policy, build_algorithm
@@ -47,6 +48,7 @@ from miles.rewards import build_rewards
 from miles.rollout.sampler import sample_with_logprob
 from miles.sequence_parallel import apply_sequence_parallel, validate_sp_args
 from miles.train.checkpoint import (
+    checkpoint_error_reason,
     has_ema,
     has_state,
     latest_checkpoint,
@@ -58,6 +60,7 @@ from miles.train.ema import EMA
 from miles.train.export import export_pipeline
 from miles.train.logging import MetricsLogger, print0
 from miles.train.old_policy import OldPolicy
+from miles.train.resume import resume_checkpoint
 from miles.train.run_dir import check_run_dir, clear_run_dir
 from miles.train.stop import GracefulStop, StopRequested, maybe_inject_signal
 
@@ -125,6 +128,8 @@ class Trainer:
 
         self.run_dir = Path(cfg.run.output_dir) / cfg.run.name
         check_run_dir(self.run_dir, cfg.train.resume, cfg.train.overwrite)
+        # The checkpoint to resume: whole, and saved with this model, adapters, prompts, seed, algorithm.
+        self.resume_from = resume_checkpoint(self.run_dir, cfg) if cfg.train.resume else None
         # Everything that can be refused is checked before the model is moved or a rollout runs.
         self.prompts = load_prompts(cfg.data.prompt_file or TINY_PROMPTS)
         self.eval_prompts = (
@@ -209,8 +214,8 @@ class Trainer:
             (self.run_dir / "config.yaml").write_text(
                 yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False)
             )
-        if cfg.train.resume and (ckpt := latest_checkpoint(self.run_dir)) is not None:
-            self._resume(ckpt)
+        if self.resume_from is not None:
+            self._resume(self.resume_from)
         else:
             self.logger.truncate_after(0)  # rows of a run that saved no checkpoint are redone
         print0(
@@ -614,7 +619,15 @@ class Trainer:
             print0(f"[miles] {path} holds no EMA: the EMA starts from its weights")
         if self.old_policy is not None and not has_state(path, "old_policy"):
             print0(f"[miles] {path} holds no old policy: it starts from the checkpoint's weights")
-        state = load_checkpoint(path, self.experts, self.optimizer, ema=self.ema, old_policy=self.old_policy)
+        try:
+            state = load_checkpoint(
+                path, self.experts, self.optimizer, ema=self.ema, old_policy=self.old_policy
+            )
+        except CheckpointException as e:  # on every rank: DCP gathers the ranks' failures
+            raise ValueError(
+                f"the checkpoint {path} could not be loaded ({checkpoint_error_reason(e)}): it is damaged. "
+                "Move it aside to resume from the previous one"
+            ) from None
         if self.old_policy is not None and not has_state(path, "old_policy"):
             self.old_policy.soft_update(0.0)
         self.step, self.rollout_index = state["step"], state["rollout_index"]

@@ -174,6 +174,64 @@ def test_trainer_error_exits_2_before_any_rollout(tmp_path, case):
 
 
 # ---------------------------------------------------------------------------------------------
+# Resuming a checkpoint saved with another configuration: refused before any weights load (every
+# key of RESUME_MUST_MATCH is compared in tests/unit/test_resume_checks.py; here, through the entry point).
+
+# case -> (the saved config's changes as (dotted key, value), this launch's flags, messages)
+RESUME_ERRORS = {
+    "two_expert_checkpoint_resumed_single_expert": (
+        [],
+        ["--model.tiny-variant", "single_expert"],
+        ["model.tiny_variant", "'two_expert'", "[--model.tiny-variant two_expert]"],
+    ),
+    "lora_checkpoint_resumed_as_full_fine_tune": (
+        [("model.lora_rank", 4)],
+        [],
+        ["model.lora_rank (the LoRA adapters' shapes", "has 4, this launch 0", "[--model.lora-rank 4]"],
+    ),
+    "every_checkpoint_corrupt": (
+        None,
+        [],
+        ["the checkpoint", "step_000002 is corrupt: its metadata cannot be read", "every checkpoint in"],
+    ),
+}
+
+
+def _plant_checkpoint(run_dir: Path, changes: list | None) -> None:
+    """A complete-looking ``step_000002`` whose trainer.json holds this launch's config with ``changes``
+    (its shards are never read: the config is compared first); None: garbage metadata instead."""
+    import dataclasses
+    import json
+
+    from miles.config import parse_args
+
+    cfg, _ = parse_args(["--config", str(REPO / "configs" / "tiny_cpu.yaml")])
+    config = dataclasses.asdict(cfg)
+    for key, value in changes or []:
+        section, name = key.split(".")
+        config[section][name] = value
+    ckpt = run_dir / "checkpoints" / "step_000002"
+    ckpt.mkdir(parents=True)
+    (ckpt / "trainer.json").write_text(json.dumps({"step": 2, "config": config}))
+    (ckpt / ".metadata").write_bytes(b"not DCP metadata" if changes is None else b"")
+    (ckpt / "COMPLETE").write_text("2\n")
+
+
+@pytest.mark.parametrize("case", list(RESUME_ERRORS))
+def test_resume_with_another_config_exits_2_naming_the_difference(tmp_path, case):
+    changes, flags, messages = RESUME_ERRORS[case]
+    run_dir = tmp_path / "runs" / "bad"
+    _plant_checkpoint(run_dir, changes)
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    code, out = _train(tmp_path, *flags)
+    assert code == 2, out
+    for message in messages:
+        assert message in out, out
+    assert "Traceback" not in out and "[rollout" not in out
+    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
+
+
+# ---------------------------------------------------------------------------------------------
 # NaN / inf during training: one gloo rank, the real Trainer, one thing made non-finite.
 
 

@@ -1,5 +1,7 @@
 """The run-directory policy (``miles.train.run_dir``): what a launch may do with a previous run."""
 
+from pathlib import Path
+
 import pytest
 
 from miles.config import Config, ConfigError, TrainConfig
@@ -68,3 +70,20 @@ def test_every_launch_logs_into_the_same_wandb_run(tmp_path, monkeypatch):
         logger.close()
     assert ids[0] == ids[1] == (tmp_path / WANDB_ID_FILE).read_text().strip()
     assert WANDB_ID_FILE in RUN_OUTPUTS  # --train.overwrite starts a new wandb run
+
+
+def test_a_read_only_run_directory_is_refused_before_anything_runs(tmp_path, monkeypatch):
+    """os.access decides (root passes permission bits, so the read-only answer is simulated)."""
+    import os
+
+    run_dir = tmp_path / "runs" / "ro"
+    check_run_dir(run_dir, resume=True, overwrite=False)  # writable: fine
+    monkeypatch.setattr(os, "access", lambda path, mode: Path(path) != tmp_path)
+    with pytest.raises(
+        ValueError, match=rf"{tmp_path} is not writable .* set --run.output-dir to a writable"
+    ):
+        check_run_dir(run_dir, resume=True, overwrite=False)  # not created yet: its nearest parent decides
+    (run_dir / "checkpoints").mkdir(parents=True)
+    monkeypatch.setattr(os, "access", lambda path, mode: Path(path).name != "checkpoints")
+    with pytest.raises(ValueError, match="checkpoints is not writable"):
+        check_run_dir(run_dir, resume=True, overwrite=False)

@@ -1,0 +1,111 @@
+"""Which checkpoint a launch resumes from, checked before any weights load.
+
+:func:`resume_checkpoint` takes the newest complete checkpoint in the run directory whose files
+are whole (:func:`miles.train.checkpoint.checkpoint_problem`); a newer one that is cut short or
+unreadable is named in a warning and skipped, so the run falls back to the previous one. The
+configuration saved with it must agree with this launch on what the checkpoint's tensors and the
+run's data depend on (``RESUME_MUST_MATCH``): the model and its experts, the LoRA adapters, the
+prompts, the seed and the algorithm. A difference is refused with a message naming each key, the
+checkpoint's value and the flag that restores it. Every rank runs this (it only reads files), so
+every rank refuses alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+from miles.config import Config
+from miles.train.checkpoint import checkpoint_problem, list_checkpoints
+from miles.train.logging import print0
+
+# dotted config key -> what it decides (for the message)
+RESUME_MUST_MATCH = {
+    "model.path": "the model (and its experts)",
+    "model.tiny_variant": "the embedded tiny model's experts",
+    "model.lora_rank": "the LoRA adapters' shapes (0: full fine-tune)",
+    "model.lora_alpha": "the LoRA scale",
+    "model.lora_target_modules": "the modules LoRA adapts",
+    "data.prompt_file": "the prompts and their order",
+    "run.seed": "the prompt order and the rollout noise",
+    "algorithm.name": "the loss and the state it keeps",
+}
+
+
+def _get(config: dict, key: str):
+    node = config
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def _same(key: str, saved, current) -> bool:
+    if key == "model.path" and saved is not None and current is not None:
+        return saved == current or Path(saved).resolve() == Path(current).resolve()
+    return saved == current
+
+
+def _flag(key: str, value) -> str:
+    words = " ".join(map(str, value)) if isinstance(value, list) else str(value)
+    return f"--{key.replace('_', '-')} {words}"
+
+
+def config_differences(saved: dict, cfg: Config) -> list[str]:
+    """Each key of ``RESUME_MUST_MATCH`` on which ``saved`` (a checkpoint's config) and ``cfg`` differ."""
+    current = dataclasses.asdict(cfg)
+    diffs = []
+    for key, what in RESUME_MUST_MATCH.items():
+        if key == "model.tiny_variant" and (_get(saved, "model.path") or cfg.model.path):
+            continue  # only the embedded tiny model reads it
+        a, b = _get(saved, key), _get(current, key)
+        if not _same(key, a, b):
+            diffs.append(f"{key} ({what}): the checkpoint has {a!r}, this launch {b!r} [{_flag(key, a)}]")
+    return diffs
+
+
+def _saved_config(path: Path) -> dict | None:
+    """The config saved with the checkpoint at ``path`` (None: its trainer.json is unreadable)."""
+    try:
+        return json.loads((path / "trainer.json").read_text()).get("config", {})
+    except (OSError, ValueError):
+        return None
+
+
+def check_resume_config(path: Path, saved: dict, cfg: Config) -> None:
+    """Refuse (``ValueError``) to resume ``path``, saved with config ``saved``, under ``cfg``."""
+    diffs = config_differences(saved, cfg)
+    if diffs:
+        raise ValueError(
+            f"cannot resume {path}: it was saved with a different configuration: "
+            + "; ".join(diffs)
+            + ". Resume with the checkpoint's values (the flags in brackets), or start a new run in its "
+            "own directory (--run.name NEW_NAME)"
+        )
+
+
+def resume_checkpoint(run_dir: Path, cfg: Config) -> Path | None:
+    """The checkpoint to resume from (None: none saved yet): the newest whole one. Its config (and
+    that of any newer, corrupt one) is checked first: a mismatch is refused, whole or not."""
+    bad = []
+    for path in reversed(list_checkpoints(run_dir)):
+        if (saved := _saved_config(path)) is not None:
+            check_resume_config(path, saved, cfg)
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return path
+        bad.append(path)
+        print0(
+            f"[miles] warning: the checkpoint {path} is corrupt: {problem}; trying the previous one",
+            file=sys.stderr,
+        )
+    if bad:
+        raise ValueError(
+            f"every checkpoint in {run_dir / 'checkpoints'} is corrupt ({', '.join(p.name for p in bad)}; "
+            "see the warnings above): nothing to resume from. Move them aside to start this run afresh, "
+            "or start a new run in its own directory (--run.name NEW_NAME)"
+        )
+    return None
