@@ -10,10 +10,23 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import torch.distributed as dist
 
 from miles.config import ConfigError, config_warnings, parse_args
+
+# Seconds a rank other than 0 waits before it reports a user error and exits: when every rank
+# refuses alike, rank 0 exits first and torchrun stops the rest, so the message appears once; when
+# only some ranks refuse, they still speak (torchrun may have killed rank 0 already, or not).
+OTHER_RANKS_REPORT_AFTER_S = 5.0
+
+
+def report_user_error(error: Exception) -> None:
+    rank = int(os.environ.get("RANK", "0"))
+    if rank != 0:
+        time.sleep(OTHER_RANKS_REPORT_AFTER_S)
+    print(f"error: {error}" if rank == 0 else f"error (rank {rank}): {error}", file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,8 +63,7 @@ def main(argv: list[str] | None = None) -> int:
             trainer = Trainer(cfg)
         except (ValueError, FileNotFoundError) as e:
             # Bad input found before any rollout: the message names the fix.
-            if int(os.environ.get("RANK", "0")) == 0:
-                print(f"error: {e}", file=sys.stderr)
+            report_user_error(e)
             return 2
         trainer.train()  # a SIGINT/SIGTERM ends it early with a checkpoint (miles/train/stop.py)
     except (CheckpointWriteError, ExportWriteError) as e:  # raised on every rank that writes

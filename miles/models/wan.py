@@ -117,6 +117,16 @@ def check_wan_folder(path: Path) -> dict:
     return info
 
 
+def transformer_config(path: Path) -> dict:
+    """``transformer/config.json`` of the Wan folder at ``path``: read before any weights load."""
+    file = path / "transformer" / "config.json"
+    if not file.is_file():
+        raise ValueError(
+            f"model.path {path} lacks transformer/config.json: it is not a complete diffusers Wan folder"
+        )
+    return json.loads(file.read_text())
+
+
 def load_wan(cfg: ModelConfig, device: torch.device) -> WanModel:
     """Load the pipeline from a local folder (hub never contacted), move it to ``device``."""
     from diffusers import WanPipeline

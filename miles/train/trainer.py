@@ -38,7 +38,15 @@ from miles.data.prompts import TINY_PROMPTS, GroupSampler, load_prompts
 from miles.eval import evaluate, summarize, write_eval
 from miles.eval.evaluate import eval_settings
 from miles.grpo.advantages import group_advantages
-from miles.models.wan import DTYPES, WanModel, calibrate_block_memory, load_wan
+from miles.models.wan import (
+    DTYPES,
+    WanModel,
+    calibrate_block_memory,
+    check_wan_folder,
+    load_wan,
+    resolve_model_path,
+    transformer_config,
+)
 from miles.parallel.checkpointing import checkpoint_modes, fixed_training_bytes
 from miles.parallel.compile import resolve_compile
 from miles.parallel.fsdp import apply_fsdp, unsharded_for_rollout
@@ -130,7 +138,9 @@ class Trainer:
         check_run_dir(self.run_dir, cfg.train.resume, cfg.train.overwrite)
         # The checkpoint to resume: whole, and saved with this model, adapters, prompts, seed, algorithm.
         self.resume_from = resume_checkpoint(self.run_dir, cfg) if cfg.train.resume else None
-        # Everything that can be refused is checked before the model is moved or a rollout runs.
+        # Everything that can be refused is checked before the model is moved or a rollout runs;
+        # the layout first, from the model folder's config JSON, identically on every rank.
+        self._check_layout()
         self.prompts = load_prompts(cfg.data.prompt_file or TINY_PROMPTS)
         self.eval_prompts = (
             [p.text for p in load_prompts(cfg.eval.prompt_file)] if cfg.eval.prompt_file else []
@@ -143,10 +153,6 @@ class Trainer:
             device=self.device,
         )
         self.model: WanModel = load_wan(cfg.model, self.device)
-        self.dims = self._parallel_dims()
-        check_ulysses_within_node(self.dims, local_world_size_from_env())
-        self.attention_backend = cfg.parallel.fsdp_attention_backend or default_attention_backend(self.device)
-        validate_sp_args(self.dims, self.attention_backend, model_backend=self.model)
         self.mesh = build_parallel_mesh(self.dims, self.device.type)
         self.sampler = GroupSampler(
             num_prompts=len(self.prompts),
@@ -229,16 +235,27 @@ class Trainer:
     # ------------------------------------------------------------------------------------------
     # setup
 
-    def _parallel_dims(self) -> ParallelDims:
+    def _check_layout(self) -> None:
+        """dp x sp, Ulysses x ring, the attention backend: from the config and the model folder's
+        ``transformer/config.json``, before any weights load (every rank raises the same error)."""
+        path = resolve_model_path(self.cfg.model)
+        check_wan_folder(path)
+        heads = int(transformer_config(path)["num_attention_heads"])
+        self.dims = self._parallel_dims(heads)
+        check_ulysses_within_node(self.dims, local_world_size_from_env())
+        self.attention_backend = self.cfg.parallel.fsdp_attention_backend or default_attention_backend(
+            self.device
+        )
+        validate_sp_args(self.dims, self.attention_backend, model_backend=WanModel)
+
+    def _parallel_dims(self, num_attention_heads: int) -> ParallelDims:
         p = self.cfg.parallel
         if self.world_size % p.sequence_parallel_size:
             raise ValueError(
                 f"world size {self.world_size} is not divisible by --sequence-parallel-size "
                 f"{p.sequence_parallel_size}; launch a multiple of it (torchrun --nproc-per-node)"
             )
-        ulysses = resolve_ulysses_degree(
-            p.sequence_parallel_size, p.ulysses_degree, self.model.num_attention_heads
-        )
+        ulysses = resolve_ulysses_degree(p.sequence_parallel_size, p.ulysses_degree, num_attention_heads)
         return ParallelDims(
             world_size=self.world_size,
             sequence_parallel_size=p.sequence_parallel_size,
