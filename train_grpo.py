@@ -98,6 +98,10 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     code = main()
+    if code == 0 and (finished := os.environ.get("MILES_FINISHED_DIR")):
+        # Testing hook: this rank's work is done; a failure after this is a teardown failure.
+        os.makedirs(finished, exist_ok=True)
+        open(os.path.join(finished, f"rank{os.environ.get('RANK', '0')}"), "w").close()
     # Leave without interpreter finalization. Objects that outlive destroy_process_group (the
     # device mesh, FSDP state) keep gloo's process groups alive, and their worker threads can then
     # free tensors while the interpreter is being torn down: a rare "terminate called without an

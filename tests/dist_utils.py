@@ -10,6 +10,12 @@ Usage in a test:
 
 The body must be a module-level function (it is pickled for spawn). Failures on any
 rank are re-raised in the parent with that rank's traceback.
+
+Also the launch helpers' rule for torchrun launches (tests/e2e): a failed launch is retried only
+when every rank wrote its "finished" marker (``train_grpo.py`` writes ``rank<R>`` into
+``$MILES_FINISHED_DIR`` after its work returned 0), that is, when the failure came after every rank
+was done; a launch that died by a signal or an error mid-run fails the test at once. Every retry is
+reported as a warning. Random inputs use ``FIXED_SEEDS`` so that a failure reproduces.
 """
 
 from __future__ import annotations
@@ -19,10 +25,35 @@ import socket
 import sys
 import tempfile
 import traceback
+import warnings
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+# Seeds of the tests' random inputs: fixed, so a failing case fails again (one per call site).
+FIXED_SEEDS = (271828, 314159, 161803, 141421, 173205, 223606, 577215, 662607, 299792)
+
+FINISHED_ENV = "MILES_FINISHED_DIR"
+
+
+def finished_ranks(marker_dir: str | Path) -> set[int]:
+    """The ranks that wrote their "finished" marker into ``marker_dir``."""
+    folder = Path(marker_dir)
+    return {int(p.name[4:]) for p in folder.glob("rank*")} if folder.is_dir() else set()
+
+
+def may_retry(returncode: int, marker_dir: str | Path, world_size: int, what: str, output: str) -> bool:
+    """Whether a failed launch may be retried: only when every rank had finished (a teardown
+    failure). Reports the retry as a warning with the output's tail."""
+    if returncode == 0 or finished_ranks(marker_dir) != set(range(world_size)):
+        return False
+    warnings.warn(
+        f"retrying {what}: it exited {returncode} after all {world_size} ranks had finished:\n{output[-1500:]}",
+        stacklevel=2,
+    )
+    return True
 
 
 def free_port() -> int:
@@ -80,6 +111,6 @@ def run_distributed(fn, world_size: int, *args, **kwargs) -> None:
             if len(done) == world_size:
                 # Every rank finished the body and its checks; a rank then aborted while tearing
                 # down gloo ("terminate called without an active exception", seen rarely on CPU).
-                print(f"ignored a crash after every rank had passed: {e}")
+                warnings.warn(f"ignored a crash after every rank had passed its checks: {e}", stacklevel=2)
                 return
             raise AssertionError(f"a rank died: {e}") from e
