@@ -40,7 +40,7 @@ class RunConfig:
     log_video_every: int = 0
     """Log sample videos (with prompts and rewards) every N rollouts; 0 turns it off."""
     progress: bool = True
-    """Show progress bars on rank 0."""
+    """Show progress bars on rank 0 when its stderr is a terminal (never in a log file)."""
     collective_timeout_s: float = 600.0
     """A collective that does not complete in this many seconds ends the job (a dead rank)."""
 
@@ -221,7 +221,10 @@ class GRPOConfig:
     global_std: bool = False
     """Normalise advantages by the std over all samples instead of per group."""
     kl_beta: float = 0.0
-    """Weight of the KL penalty to the reference (initial) policy; 0 turns it off."""
+    """β, the weight of the KL penalty to the reference (initial) policy: loss = policy loss +
+    β·KL, KL the exact KL between the current and the reference policy's Gaussian SDE steps,
+    mean((μ − μ_ref)²) / (2σ_t²|dt|) per latent element, averaged over the trained steps. flow_grpo's
+    SD3 script divides by 2σ_t² (no |dt|): its β is this β / |dt|. 0 turns it off."""
     step_loss_weight: Literal["none", "sigma_over_sqrt_dt"] = "none"
     """Per-SDE-step weight of the policy loss: ``none`` (every step alike, the paper's and flow_grpo's
     SD3 script), or ``sigma_over_sqrt_dt``: sigma_t / sqrt(|dt|) as flow_grpo's Wan script weights it.
@@ -248,8 +251,8 @@ class NFTConfig:
     old_decay_max: float = 0.5
     old_decay_flat: int = 0
     kl_beta: float = 0.0
-    """Weight of mean((v - v_ref)^2) to the reference (initial) policy; 0 turns it off (the
-    reference uses 1e-4 with LoRA)."""
+    """β, the weight of the penalty β·mean((v − v_ref)²) on the velocity's distance to the reference
+    (initial) policy's; 0 turns it off (the DiffusionNFT reference uses 1e-4 with LoRA)."""
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -7,11 +7,11 @@ For one SDE step of a batch, with A the (already normalised, clipped) advantages
     kl       = mean_dims((mean_new − mean_ref)²) / (2·std²)      (per sample)
     loss     = loss_pg + β · mean(kl)
 
-The KL is the closed form between the two Gaussian steps N(mean_new, std²) and
-N(mean_ref, std²) of equal std, averaged over latent dims like the log-probs are. As in
-current flow_grpo, std is the full step std σ_t·sqrt(−dt) (early flow_grpo divided by σ_t²
-alone, which scales the KL by 1/|dt|). Diagnostics (clipfrac, approx_kl, ratio_mean) are
-detached.
+The KL is the exact closed form between the two Gaussian steps N(mean_new, std²) and
+N(mean_ref, std²) of equal std, averaged over latent dims like the log-probs are, with std the
+full step std σ_t·√|dt|: kl = mean_dims(Δμ²) / (2·σ_t²·|dt|). flow_grpo's SD3 training script
+divides by 2·σ_t² instead (σ_t without the √|dt|), so this exact step KL is 1/|dt| times its value:
+a β of b there corresponds to b·|dt| here (with T = 10 steps, |dt| ≈ 0.1). Diagnostics (clipfrac, approx_kl, ratio_mean) are detached.
 
 GRPO-Guard's ratio normalisation (``old_mean`` given; Wang et al. 2025, arXiv 2510.22319): with
 Δ = mean_new − mean_old and s = std, the per-step log-ratio of two Gaussians of equal std is

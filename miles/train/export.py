@@ -56,6 +56,25 @@ def export_pipeline(cfg: Config, model_path: Path, experts: list[nn.Module], out
     return out_dir
 
 
+def cast_like_from_pretrained(module: nn.Module, dtype: torch.dtype) -> None:
+    """Cast ``module`` to ``dtype`` but for the submodules its class keeps in float32 (norms, RoPE,
+    time embedding: ``_keep_in_fp32_modules``), as ``from_pretrained(torch_dtype=dtype)`` loads it;
+    a plain ``.to(dtype)`` would round them and makes diffusers warn on every export."""
+    keep = set(getattr(module, "_keep_in_fp32_modules", None) or [])
+    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+        if tensor.is_floating_point() and tensor.dtype != dtype and not keep.intersection(name.split(".")):
+            tensor.data = tensor.data.to(dtype)
+
+
+def readable_by_umask(folder: Path) -> None:
+    """Give every file and folder under ``folder`` the modes the umask grants (0o644 / 0o755 under
+    the usual 022): safetensors writes its files 0o600, unreadable by the user's group."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in [folder, *folder.rglob("*")]:
+        os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~umask)
+
+
 def _write(cfg: Config, model_path: Path, states: list[dict], out_dir: Path) -> None:
     from diffusers import WanPipeline
 
@@ -91,8 +110,9 @@ def _write(cfg: Config, model_path: Path, states: list[dict], out_dir: Path) -> 
             transformer.unload_lora()
         else:
             transformer.load_state_dict(state, strict=True)
-        transformer.to(dtype)
+        cast_like_from_pretrained(transformer, dtype)
     pipe.save_pretrained(tmp / ("merged" if cfg.model.lora_rank > 0 else "pipeline"), safe_serialization=True)
+    readable_by_umask(tmp)
     if out_dir.exists():
         shutil.rmtree(out_dir)
     os.replace(tmp, out_dir)

@@ -35,6 +35,22 @@ def print0(*args, sep: str = " ", file=None) -> None:
         (file or sys.stdout).flush()
 
 
+def show_progress(enabled: bool = True) -> bool:
+    """Whether this process draws progress bars: rank 0 only, and only on a terminal (in a log file
+    a bar is a stream of carriage returns and escape codes)."""
+    return enabled and rank() == 0 and sys.stderr.isatty()
+
+
+def configure_library_progress(show: bool) -> None:
+    """The loading and saving bars of diffusers and transformers ("Loading pipeline components",
+    "Loading weights", "Writing model shards"): on where ``show``, else off."""
+    import diffusers.utils.logging as diffusers_logging
+    import transformers.utils.logging as transformers_logging
+
+    for lib in (diffusers_logging, transformers_logging):
+        (lib.enable_progress_bar if show else lib.disable_progress_bar)()
+
+
 def _scalar(v):
     if isinstance(v, torch.Tensor):
         v = v.item()

@@ -66,7 +66,7 @@ from miles.train.checkpoint import (
 )
 from miles.train.ema import EMA
 from miles.train.export import export_pipeline
-from miles.train.logging import MetricsLogger, print0
+from miles.train.logging import MetricsLogger, configure_library_progress, print0, show_progress
 from miles.train.old_policy import OldPolicy
 from miles.train.resume import resume_checkpoint
 from miles.train.run_dir import check_run_dir, clear_run_dir
@@ -133,6 +133,8 @@ class Trainer:
             if hasattr(inductor_config, "deterministic"):
                 inductor_config.deterministic = True
         torch.manual_seed(cfg.run.seed)
+        self.progress = show_progress(cfg.run.progress)  # rank 0, on a terminal
+        configure_library_progress(self.progress)
 
         self.run_dir = Path(cfg.run.output_dir) / cfg.run.name
         check_run_dir(self.run_dir, cfg.train.resume, cfg.train.overwrite)
@@ -144,6 +146,14 @@ class Trainer:
         self.prompts = load_prompts(cfg.data.prompt_file or TINY_PROMPTS)
         self.eval_prompts = (
             [p.text for p in load_prompts(cfg.eval.prompt_file)] if cfg.eval.prompt_file else []
+        )
+        print0(
+            f"[miles] loaded {len(self.prompts)} prompts from {cfg.data.prompt_file or 'the built-in list'}"
+            + (
+                f", {len(self.eval_prompts)} held-out from {cfg.eval.prompt_file}"
+                if self.eval_prompts
+                else ""
+            )
         )
         self.rewards = build_rewards(
             cfg.reward.weights,
@@ -460,7 +470,7 @@ class Trainer:
 
     def _bar(self, items, desc: str):
         """An inner progress bar on rank 0 (cleared when done)."""
-        return tqdm(items, desc=desc, leave=False, disable=self.rank != 0 or not self.cfg.run.progress)
+        return tqdm(items, desc=desc, leave=False, disable=not self.progress)
 
     def _micro_slices(self, n: int) -> list[slice]:
         mb = self.cfg.train.micro_batch_size
@@ -667,7 +677,7 @@ class Trainer:
             total=cfg.train.num_rollouts,
             initial=self.rollout_index,
             desc="rollouts",
-            disable=self.rank != 0 or not cfg.run.progress,
+            disable=not self.progress,
         )
         with self.stop:
             if self.rollout_index == 0:

@@ -46,6 +46,7 @@ def _train(root: Path, name: str, *flags: str) -> Path:
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"training run failed (rc {proc.returncode}):\n{out[-6000:]}"
     assert "[miles] exported the trained model to" in out, out[-3000:]
+    assert "should be kept in float32" not in out, "the export cast the fp32-kept modules"
     return root / name
 
 
@@ -89,6 +90,11 @@ def _forward(transformer, seed: int = 0) -> torch.Tensor:
 def test_full_export_loads_with_the_trained_weights(runs, tmp_path):
     run_dir = runs["full"]
     assert sorted(p.name for p in (run_dir / "export").iterdir()) == ["pipeline"]  # no .partial left
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in [run_dir / "export", *(run_dir / "export").rglob("*")]:  # readable as the umask allows
+        want_mode = (0o777 if path.is_dir() else 0o666) & ~umask
+        assert path.stat().st_mode & 0o777 == want_mode, (path, oct(path.stat().st_mode))
     pipe = _pipeline(run_dir / "export" / "pipeline")
     base = _pipeline(TINY)
     trained = _final_checkpoint(run_dir, tmp_path)

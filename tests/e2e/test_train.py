@@ -62,7 +62,6 @@ def _launch(tmp_path: Path, name: str, *flags: str, nproc: int = 4) -> Path:
         str(tmp_path),
         "--run.name",
         name,
-        "--run.no-progress",
         "--train.num-rollouts",
         "2",
         *flags,
@@ -78,6 +77,11 @@ def _launch(tmp_path: Path, name: str, *flags: str, nproc: int = 4) -> Path:
         shutil.rmtree(tmp_path / name, ignore_errors=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "[rollout 1]" in proc.stdout
+    # Quiet logs: progress is on by default, but stdout/stderr are pipes here, not a terminal.
+    output = proc.stdout + proc.stderr
+    for noise in ("\r", "\x1b[", "Loading pipeline components", "it/s]", "should be kept in float32"):
+        assert noise not in output, f"{noise!r} in the log:\n{output[-3000:]}"
+    assert "[miles] loaded 16 prompts from the built-in list" in proc.stdout
     return tmp_path / name
 
 
@@ -85,7 +89,8 @@ def _launch(tmp_path: Path, name: str, *flags: str, nproc: int = 4) -> Path:
     "name,flags",
     [
         ("dp2sp2", ["--sequence-parallel-size", "2", "--ulysses-degree", "2", "--run.log-video-every", "1"]),
-        ("dp4", ["--data.prompts-per-rank", "1", "--train.no-export"]),
+        # a full fine-tune with the KL to a frozen sharded copy of the initial weights
+        ("dp4", ["--data.prompts-per-rank", "1", "--train.no-export", "--grpo.kl-beta", "0.01"]),
         # torch.compile per block in bf16: the rollout's no-grad graph and training's graph agree bit
         # for bit only where Inductor rounds intermediates as eager mode does (emulate_precision_casts)
         (
@@ -118,6 +123,11 @@ def test_training_logs_every_metric(tmp_path, name, flags):
     # the second step of a rollout runs with updated weights: its ratio moved off 1
     assert any(r["train/ratio"] != 1.0 for r in rows if "reward/mean" not in r)
     assert (run / "checkpoints" / "step_000004" / "COMPLETE").is_file()
+    if name == "dp4":  # the reference is the initial policy: KL 0 before the first update only
+        kl = [r["train/kl"] for r in rows]
+        assert kl[0] == 0.0 and all(v > 0 for v in kl[1:]), kl
+        approx = [r["train/approx_kl"] for r in rows]  # vs the rollout's policy: 0 on each first step
+        assert approx[0] == approx[2] == 0.0 and approx[1] > 0 and approx[3] > 0, approx
     assert list((run / "wandb").glob("offline-run-*")), "no offline wandb run"
     if name == "dp2sp2":
         gifs = sorted((run / "samples").rglob("*.gif"))

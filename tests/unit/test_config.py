@@ -182,3 +182,11 @@ def test_help_lists_launcher_flags_and_registered_rewards(capsys):
         assert flag in out, flag
     assert f"Registered rewards: {', '.join(registered_rewards())}." in out
     assert "Reward name -> weight" in out  # the field's own docstring is kept
+
+
+def test_help_says_what_the_kl_beta_means(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    out = " ".join(re.sub(r"[│╭╮╰╯─]+", " ", capsys.readouterr().out).split())
+    for text in ("policy loss + β·KL", "(2σ_t²|dt|)", "its β is this β / |dt|", "β·mean((v − v_ref)²)"):
+        assert text in out, text
