@@ -75,6 +75,7 @@ from miles.models.wan import DTYPES, WanModel, check_wan_folder, read_model_inde
 from miles.parallel.compile import resolve_compile
 from miles.parallel.topology import ParallelDims, valid_ulysses_degrees
 from miles.parallel.topology_checks import check_ulysses_within_node, local_world_size_from_env
+from miles.train.resume import resume_checkpoint
 from miles.train.run_dir import check_run_dir
 
 __all__ = ["DryRunError", "dry_run", "format_report"]
@@ -209,6 +210,8 @@ def _check_inputs(cfg: Config, dp: int, model_path: Path) -> tuple[str, list[str
     run_dir = Path(cfg.run.output_dir) / cfg.run.name
     try:
         check_run_dir(run_dir, cfg.train.resume, cfg.train.overwrite)
+        if cfg.train.resume:  # the checkpoint it would resume: whole, and saved with this config
+            resume_checkpoint(run_dir, cfg)
         prompts = load_prompts(prompt_file)
         held_out = load_prompts(cfg.eval.prompt_file) if cfg.eval.prompt_file else []
         GroupSampler(len(prompts), cfg.data.prompts_per_rank, cfg.data.group_size, dp_rank=0, dp_size=dp)

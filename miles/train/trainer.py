@@ -738,14 +738,15 @@ class Trainer:
         return True
 
     def _save_on_stop(self) -> None:
-        """The stop request's checkpoint (unless this step is saved already) and how to resume."""
-        if self._saved_step != self.step:
+        """The stop request's checkpoint (unless this step is saved already, or nothing has trained
+        yet) and how to resume."""
+        if self._saved_step != self.step and self.step > 0:
             self.save()
         path = latest_checkpoint(self.run_dir)
         again = " ".join(shlex.quote(a) for a in sys.argv[1:] if a not in _FRESH_START_FLAGS)
         print0(
             f"[miles] stopped by {self.stop.name} after step {self.step} ({self.rollout_index} of "
-            f"{self.cfg.train.num_rollouts} rollouts done); the checkpoint is {path or 'none (step 0)'}. To resume, "
+            f"{self.cfg.train.num_rollouts} rollouts done); the checkpoint is {path or 'none (nothing trained yet)'}. To resume, "
             f"relaunch the same command: train_grpo.py {again}"
         )
 

@@ -348,6 +348,12 @@ def _dry_input_case(tmp_path: Path, case: str) -> tuple[list[str], str]:
         return flags, "holds a previous run (metrics.jsonl with 1 rows)"
     if case == "clip_range_0":
         return ["--grpo.clip-range", "0"], "grpo.clip_range must be > 0"
+    if case == "resume_with_another_seed":
+        from tests.unit.test_bad_input import _plant_checkpoint
+
+        _plant_checkpoint(tmp_path / "run", [("run.seed", 5)])
+        flags = ["--run.output-dir", str(tmp_path), "--run.name", "run"]
+        return flags, "run.seed (the prompt order and the rollout noise): the checkpoint has 5, this launch 0"
     raise AssertionError(case)
 
 
@@ -362,6 +368,7 @@ def _dry_input_case(tmp_path: Path, case: str) -> tuple[list[str], str]:
         "run_output_dir_is_a_file",
         "no_resume_into_a_previous_run",
         "clip_range_0",
+        "resume_with_another_seed",
     ],
 )
 def test_dry_run_refuses_what_the_real_run_refuses(tmp_path, capsys, case):
