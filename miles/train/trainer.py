@@ -143,25 +143,7 @@ class Trainer:
         # Everything that can be refused is checked before the model is moved or a rollout runs;
         # the layout first, from the model folder's config JSON, identically on every rank.
         self._check_layout()
-        self.prompts = load_prompts(cfg.data.prompt_file or TINY_PROMPTS)
-        self.eval_prompts = (
-            [p.text for p in load_prompts(cfg.eval.prompt_file)] if cfg.eval.prompt_file else []
-        )
-        print0(
-            f"[miles] loaded {len(self.prompts)} prompts from {cfg.data.prompt_file or 'the built-in list'}"
-            + (
-                f", {len(self.eval_prompts)} held-out from {cfg.eval.prompt_file}"
-                if self.eval_prompts
-                else ""
-            )
-        )
-        self.rewards = build_rewards(
-            cfg.reward.weights,
-            num_frames=cfg.reward.num_frames,
-            pickscore_path=cfg.reward.pickscore_path,
-            pickscore_processor_path=cfg.reward.pickscore_processor_path,
-            device=self.device,
-        )
+        self._load_inputs()
         self.model: WanModel = load_wan(cfg.model, self.device)
         self.mesh = build_parallel_mesh(self.dims, self.device.type)
         self.sampler = GroupSampler(
@@ -244,6 +226,28 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------
     # setup
+
+    def _load_inputs(self) -> None:
+        """The prompts (training and held-out) and the rewards: refused here when malformed."""
+        cfg = self.cfg
+        self.prompts = load_prompts(cfg.data.prompt_file or TINY_PROMPTS)
+        self.eval_prompts = (
+            [p.text for p in load_prompts(cfg.eval.prompt_file)] if cfg.eval.prompt_file else []
+        )
+        held_out = (
+            f", {len(self.eval_prompts)} held-out from {cfg.eval.prompt_file}" if self.eval_prompts else ""
+        )
+        print0(
+            f"[miles] loaded {len(self.prompts)} prompts from {cfg.data.prompt_file or 'the built-in list'}"
+            + held_out
+        )
+        self.rewards = build_rewards(
+            cfg.reward.weights,
+            num_frames=cfg.reward.num_frames,
+            pickscore_path=cfg.reward.pickscore_path,
+            pickscore_processor_path=cfg.reward.pickscore_processor_path,
+            device=self.device,
+        )
 
     def _check_layout(self) -> None:
         """dp x sp, Ulysses x ring, the attention backend: from the config and the model folder's
