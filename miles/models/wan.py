@@ -105,7 +105,22 @@ def read_model_index(path: Path) -> dict:
         raise ValueError(
             f"model.path {path} holds a {info.get('_class_name')}, not a Wan pipeline ({sorted(_WAN_PIPELINES)})"
         )
+    _refuse_image_to_video(path, info)
     return info
+
+
+def _refuse_image_to_video(path: Path, info: dict) -> None:
+    """Image-to-video folders (Wan2.1-I2V, Wan2.2-I2V-A14B: 36 input channels = noise + image
+    condition) need the image condition, which this trainer does not build yet: refuse them."""
+    config = path / "transformer" / "config.json"
+    channels = json.loads(config.read_text()) if config.is_file() else {}
+    concat = channels.get("in_channels", 0) != channels.get("out_channels", 0)
+    if info.get("_class_name") == "WanImageToVideoPipeline" or concat:
+        raise ValueError(
+            f"model.path {path} is an image-to-video Wan folder ({info.get('_class_name')}, transformer "
+            f"in_channels {channels.get('in_channels')} != out_channels {channels.get('out_channels')}): "
+            "image-to-video training is not supported yet; use a text-to-video folder (WanPipeline)"
+        )
 
 
 def check_wan_folder(path: Path) -> dict:
