@@ -78,9 +78,14 @@ def sample_with_scheduler(
     neg: torch.Tensor | None,
     latents: torch.Tensor,
     settings: EvalSettings,
+    condition=None,
 ) -> torch.Tensor:
     """Denoise ``latents`` as ``WanPipeline`` does: the scheduler's own timesteps and steps, the
-    expert switch at ``boundary_ratio · 1000``, CFG per expert. Returns the clean latents (fp32)."""
+    expert switch at ``boundary_ratio · 1000``, CFG per expert. Returns the clean latents (fp32).
+
+    ``condition`` (``miles.rollout.condition.ImageCondition``): as ``WanImageToVideoPipeline``
+    does; a first-frame condition's frame is put back after every step (the pipeline puts it back
+    at the end: the same result, as no step mixes positions)."""
     import copy
 
     scheduler = copy.deepcopy(scheduler)  # its step index and solver history are per call
@@ -96,8 +101,10 @@ def sample_with_scheduler(
             settings.guidance_scales,
             settings.boundary_ratio,
             settings.expand_timesteps,
+            condition,
         )
         x = scheduler.step(v, t, x, return_dict=False)[0].float()
+        x = x if condition is None else condition.clean(x)
     return x
 
 
