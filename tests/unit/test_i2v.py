@@ -20,6 +20,7 @@ from miles.config import ModelConfig
 from miles.eval.evaluate import EvalSettings, sample_with_scheduler
 from miles.models.i2v import condition_mode
 from miles.models.wan import check_wan_folder, load_wan
+from miles.rollout.sampler import compute_log_prob, sample_with_logprob
 
 PROMPTS = ["a red ball", "a blue cube rolling"]
 TEXT_TOKENS = 512  # Wan's add_k_proj branch splits the context at 512 text tokens
@@ -137,3 +138,54 @@ def test_i2v_sampler_reproduces_the_i2v_pipeline(model, guidance):
     assert (moved - got).abs().max() > 1e-3
     if model.condition_mode == "first_frame":  # the first latent frame is the encoded image
         assert torch.equal(got[:, :, :1], condition.latents.expand(2, -1, -1, -1, -1))
+
+
+def test_rollout_log_probs_recompute_exactly_and_skip_the_clean_frame(model):
+    """SDE rollout with the condition: training's recompute gives the rollout's log-probs bit for
+    bit; a first-frame condition's frame stays clean and its log-prob covers the other frames."""
+    n = len(model.transformers)
+    shape = model.latent_shape(FRAMES, SIZE, SIZE)
+    condition = model.encode_images([_image(0), _image(1)], FRAMES, SIZE, SIZE, "cpu")
+    pos, neg = model.encode_prompts(PROMPTS, "", TEXT_TOKENS, "cpu")
+    noise = torch.randn(2, *shape, generator=torch.Generator().manual_seed(0))
+    common = dict(guidance_scales=[4.0] * n, boundary_ratio=model.boundary_ratio, noise_level=0.7)
+    ro = sample_with_logprob(
+        model.transformers,
+        pos,
+        neg,
+        shape,
+        num_steps=4,
+        shift=3.0,
+        generator=[torch.Generator().manual_seed(s) for s in (1, 2)],
+        latents=noise,
+        sde_steps=[0, 1, 2],
+        expand_timesteps=model.expand_timesteps,
+        record_means=True,
+        condition=condition,
+        **common,
+    )
+    first = model.condition_mode == "first_frame"
+    frames = shape[1] - 1 if first else shape[1]
+    assert ro.means.shape == (2, 3, shape[0], frames, *shape[2:])
+    for k in range(3):
+        log_prob, mean, std = compute_log_prob(
+            model.transformers,
+            ro,
+            k,
+            pos,
+            neg,
+            expand_timesteps=model.expand_timesteps,
+            condition=condition,
+            **common,
+        )
+        assert torch.equal(log_prob, ro.log_probs[:, k]) and torch.equal(mean, ro.means[:, k])
+        # the Gaussian log-density of the generated frames, written out in float64
+        x = ro.next_latents[:, k, :, -frames:].double()
+        m, s = mean.double(), std.double()
+        want = (-((x - m) ** 2) / (2 * s**2) - torch.log(s) - 0.5 * np.log(2 * np.pi)).mean(dim=(1, 2, 3, 4))
+        torch.testing.assert_close(log_prob.double(), want, rtol=1e-6, atol=1e-6)
+    if first:  # every state the rollout records holds the encoded image as its first frame
+        image = condition.latents.unsqueeze(1)
+        assert torch.equal(ro.latents[:, :, :, :1], image.expand(-1, 3, -1, -1, -1, -1))
+        assert torch.equal(ro.next_latents[:, :, :, :1], image.expand(-1, 3, -1, -1, -1, -1))
+        assert torch.equal(ro.final_latents[:, :, :1], condition.latents)
