@@ -68,3 +68,36 @@ def text_pipeline(image_pipeline):
     )
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+def check_i2v_run(path: Path, index: dict, mode: str | None, max_sequence_length: int) -> None:
+    """What an image-to-video run of the folder refuses before any weights load: Wan2.1-I2V's
+    image branch with a text length other than 512 (diffusers' Wan attention splits the context
+    at a hard-coded 512 text tokens: another length splits it silently and wrongly), and a
+    transformer with an image branch in a folder without its image encoder."""
+    if mode is None:
+        return
+    config = _transformer_config(path)
+    if config.get("image_dim") is None:
+        return
+    if max_sequence_length != 512:
+        raise ValueError(
+            f"{path}: the transformer has Wan2.1-I2V's image cross-attention, which assumes 512 text tokens; "
+            f"set data.max_sequence_length 512 (got {max_sequence_length})"
+        )
+    if not (index.get("image_encoder") or [None])[0] or not (path / "image_encoder").is_dir():
+        raise ValueError(
+            f"{path}: the transformer takes CLIP image embeddings (image_dim {config['image_dim']}) but the "
+            "folder has no image_encoder: use the complete Wan2.1-I2V -Diffusers folder"
+        )
+
+
+def run_condition_mode(model_cfg, max_sequence_length: int) -> str | None:
+    """The condition mode of a run's model (``ModelConfig``), its folder and settings checked."""
+    from miles.models.wan import check_wan_folder, resolve_model_path
+
+    path = resolve_model_path(model_cfg)
+    index = check_wan_folder(path)
+    mode = condition_mode(path, index, model_cfg.task)
+    check_i2v_run(path, index, mode, max_sequence_length)
+    return mode

@@ -132,3 +132,18 @@ def encode_image_condition(
         pixels, 1, z, height, width, num_frames, torch.float32, device, None, placeholder
     )
     return ImageCondition(mode=mode, latents=out[1].float(), image_embeds=image_embeds)
+
+
+def conditions_of(
+    model, images: Sequence, *, num_frames: int, height: int, width: int, device, cache: dict | None = None
+) -> ImageCondition:
+    """The condition of image files ``images`` (one row each), each distinct file encoded once
+    (kept in ``cache``, keyed by path, when given: a rollout encodes a group's image once)."""
+    from miles.data.prompts import load_image
+
+    cache = {} if cache is None else cache
+    for path in dict.fromkeys(images):
+        if path not in cache:
+            size = dict(num_frames=num_frames, height=height, width=width, device=device)
+            cache[path] = model.encode_images([load_image(path)], **size)
+    return ImageCondition.cat([cache[p] for p in images])
