@@ -10,6 +10,7 @@ bitwise without CFG; with CFG the pipeline runs two forwards where the sampler r
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,8 +18,9 @@ import torch
 from PIL import Image
 
 from miles.config import ModelConfig
+from miles.data.prompts import check_prompt_images, load_image, load_prompts
 from miles.eval.evaluate import EvalSettings, sample_with_scheduler
-from miles.models.i2v import condition_mode
+from miles.models.i2v import condition_mode, run_condition_mode
 from miles.models.wan import check_wan_folder, load_wan
 from miles.rollout.sampler import compute_log_prob, sample_with_logprob
 
@@ -189,3 +191,159 @@ def test_rollout_log_probs_recompute_exactly_and_skip_the_clean_frame(model):
         assert torch.equal(ro.latents[:, :, :, :1], image.expand(-1, 3, -1, -1, -1, -1))
         assert torch.equal(ro.next_latents[:, :, :, :1], image.expand(-1, 3, -1, -1, -1, -1))
         assert torch.equal(ro.final_latents[:, :, :1], condition.latents)
+
+
+# ---------------------------------------------------------------------------------------------
+# Prompt files with images, checked before any weights load
+
+
+def _jsonl(tmp_path, rows: list[dict]):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_prompt_images_resolve_against_the_file(tmp_path):
+    (tmp_path / "images").mkdir()
+    _image(0).save(tmp_path / "images" / "a.png")
+    absolute = tmp_path / "b.png"
+    _image(1).save(absolute)
+    path = _jsonl(
+        tmp_path,
+        [
+            {"prompt": "a cat", "image": "images/a.png", "tag": 1},
+            {"prompt": "a dog", "image": str(absolute)},
+        ],
+    )
+    prompts = load_prompts(path)
+    assert [p.image for p in prompts] == [tmp_path / "images" / "a.png", absolute]
+    assert prompts[0].metadata == {"tag": 1}
+    check_prompt_images(prompts, path, image_to_video=True)
+    loaded = load_image(prompts[0].image)
+    assert loaded.mode == "RGB" and np.array_equal(np.asarray(loaded), np.asarray(_image(0)))
+
+
+def test_bad_prompt_images_are_named(tmp_path):
+    (tmp_path / "broken.png").write_text("not an image")
+    _image(0).save(tmp_path / "ok.png")
+    rows = [
+        {"prompt": "a cat", "image": "missing.png"},
+        {"prompt": "a dog", "image": "broken.png"},
+        {"prompt": "a cow"},
+        {"prompt": "a pig", "image": "ok.png"},
+    ]
+    path = _jsonl(tmp_path, rows)
+    with pytest.raises(ValueError) as e:
+        check_prompt_images(load_prompts(path), path, image_to_video=True)
+    message = str(e.value)
+    assert f"{tmp_path / 'missing.png'}: no such file" in message
+    assert f"{tmp_path / 'broken.png'}: not a readable image" in message
+    assert "'a cow' has no 'image'" in message and "ok.png" not in message
+    with pytest.raises(ValueError, match="but the model is text-to-video"):
+        check_prompt_images(load_prompts(path), path, image_to_video=False)
+    bad = _jsonl(tmp_path, [{"prompt": "a cat", "image": 3}])
+    with pytest.raises(ValueError, match=f"{bad}:1: 'image' must be a non-empty string"):
+        load_prompts(bad)
+
+
+def test_wan21_i2v_needs_512_text_tokens():
+    cfg = ModelConfig(tiny_variant="i2v", task="i2v")
+    assert run_condition_mode(cfg, 512) == "concat"
+    with pytest.raises(ValueError, match="set data.max_sequence_length 512"):
+        run_condition_mode(cfg, 64)
+    assert run_condition_mode(ModelConfig(tiny_variant="i2v_two_expert"), 64) == "concat"
+
+
+# ---------------------------------------------------------------------------------------------
+# Dry run
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY_I2V = ["--config", "configs/tiny_i2v_cpu.yaml"]
+# Wan-AI/Wan2.1-I2V-14B-480P-Diffusers, transformer/config.json
+WAN21_I2V_14B = {
+    "added_kv_proj_dim": 5120,
+    "attention_head_dim": 128,
+    "cross_attn_norm": True,
+    "eps": 1e-06,
+    "ffn_dim": 13824,
+    "freq_dim": 256,
+    "image_dim": 1280,
+    "in_channels": 36,
+    "num_attention_heads": 40,
+    "num_layers": 40,
+    "out_channels": 16,
+    "patch_size": [1, 2, 2],
+    "qk_norm": "rms_norm_across_heads",
+    "rope_max_seq_len": 1024,
+    "text_dim": 4096,
+}
+
+
+def _plan(argv: list[str]) -> dict:
+    from miles.config import parse_args
+    from miles.train.dry_run import dry_run
+
+    cfg, opts = parse_args(argv)
+    return dry_run(cfg, world_size=opts.world_size, verbose=False)
+
+
+@pytest.mark.parametrize(
+    "variant, mode", [("i2v", "concat"), ("i2v_two_expert", "concat"), ("ti2v", "first_frame")]
+)
+def test_dry_run_of_the_tiny_i2v_recipe(monkeypatch, variant, mode):
+    monkeypatch.chdir(ROOT)
+    argv = [*TINY_I2V, "--model.tiny-variant", variant, "--world-size", "4", "--sequence-parallel-size", "2"]
+    rep = _plan(argv)
+    assert rep["model"]["image_condition"] == mode
+    assert rep["sequence"]["latent_shape"] == [16, 2, 8, 8]  # the denoised channels, not in_channels
+    assert rep["sequence"]["tokens_per_sample"] == 32
+
+
+def test_dry_run_refuses_a_missing_image(monkeypatch, tmp_path):
+    from miles.train.dry_run import DryRunError
+
+    monkeypatch.chdir(ROOT)
+    rows = [{"prompt": f"p{i}", "image": f"{i}.png"} for i in range(8)]
+    for i in range(7):
+        _image(i).save(tmp_path / f"{i}.png")
+    path = _jsonl(tmp_path, rows)
+    with pytest.raises(DryRunError, match=f"{tmp_path / '7.png'}: no such file"):
+        _plan([*TINY_I2V, "--data.prompt-file", str(path), "--world-size", "4"])
+
+
+def test_dry_run_of_wan21_i2v_14b_shapes(monkeypatch, tmp_path):
+    """A configs-only Wan2.1-I2V-14B-480P folder: 36 input channels, 16 denoised, real token counts."""
+    from diffusers import WanTransformer3DModel
+
+    monkeypatch.chdir(ROOT)
+    for sub in ("transformer", "vae", "image_encoder", "image_processor"):  # no tokenizer: not loaded
+        (tmp_path / sub).mkdir()
+    (tmp_path / "transformer/config.json").write_text(json.dumps(WAN21_I2V_14B))
+    vae = {"base_dim": 96, "z_dim": 16, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 2, "attn_scales": []}
+    (tmp_path / "vae/config.json").write_text(json.dumps({**vae, "temperal_downsample": [False, True, True]}))
+    index = {
+        "_class_name": "WanImageToVideoPipeline",
+        "image_encoder": ["transformers", "CLIPVisionModel"],
+        "image_processor": ["transformers", "CLIPImageProcessor"],
+        "transformer": ["diffusers", "WanTransformer3DModel"],
+        "vae": ["diffusers", "AutoencoderKLWan"],
+    }
+    (tmp_path / "model_index.json").write_text(json.dumps(index))
+    size = ["--rollout.num-frames", "81", "--rollout.height", "480", "--rollout.width", "832"]
+    argv = [
+        *TINY_I2V,
+        "--model.path",
+        str(tmp_path),
+        *size,
+        "--world-size",
+        "8",
+        "--sequence-parallel-size",
+        "8",
+    ]
+    rep = _plan([*argv, "--model.dtype", "bfloat16", "--model.activation-checkpointing", "full"])
+    assert rep["model"]["image_condition"] == "concat"
+    assert rep["sequence"]["latent_shape"] == [16, 21, 60, 104]
+    assert rep["sequence"]["tokens_per_sample"] == 32760
+    with torch.device("meta"):
+        meta = WanTransformer3DModel(**WAN21_I2V_14B)
+    assert rep["params"]["transformer"] == sum(p.numel() for p in meta.parameters())
