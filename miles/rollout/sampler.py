@@ -175,12 +175,9 @@ def predict_velocity(
         pt, ph, pw = model.config.patch_size
         _, _, f, h, w = x.shape
         timestep = timestep[:, None].expand(-1, (f // pt) * (h // ph) * (w // pw))
+    extra = {} if image is None else {"encoder_hidden_states_image": image}  # Wan2.1-I2V only
     out = model(
-        hidden_states=x,
-        timestep=timestep,
-        encoder_hidden_states=context,
-        encoder_hidden_states_image=image,
-        return_dict=False,
+        hidden_states=x, timestep=timestep, encoder_hidden_states=context, return_dict=False, **extra
     )[0]
     out = out.float()
     if use_cfg:
