@@ -347,3 +347,65 @@ def test_dry_run_of_wan21_i2v_14b_shapes(monkeypatch, tmp_path):
     with torch.device("meta"):
         meta = WanTransformer3DModel(**WAN21_I2V_14B)
     assert rep["params"]["transformer"] == sum(p.numel() for p in meta.parameters())
+
+
+# ---------------------------------------------------------------------------------------------
+# DiffusionNFT: no loss on TI2V's clean first frame
+
+
+def _generator(*parts: int) -> torch.Generator:
+    return torch.Generator().manual_seed(hash((0, *parts)) & 0x7FFF_FFFF_FFFF_FFFF)
+
+
+def test_diffusion_nft_loss_skips_the_clean_first_frame():
+    import copy
+    from types import SimpleNamespace
+
+    from miles.algorithms import Policy, build_algorithm
+    from miles.algorithms.diffusion_nft import nft_loss
+    from miles.config import AlgorithmConfig, Config, NFTConfig, RolloutConfig
+    from miles.rollout.sampler import predict_velocity
+    from miles.train.old_policy import OldPolicy
+
+    model = load_wan(ModelConfig(tiny_variant="ti2v", task="i2v"), torch.device("cpu"))
+    cfg = Config(
+        algorithm=AlgorithmConfig(name="diffusion_nft"),
+        rollout=RolloutConfig(num_steps=4),
+        nft=NFTConfig(timestep_fraction=0.5),  # 2 noise levels
+    )
+    algorithm = build_algorithm(cfg)
+    old = [copy.deepcopy(t) for t in model.transformers]
+    with torch.no_grad():
+        for p in old[0].parameters():
+            p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    policy = Policy(
+        transformers=model.transformers,
+        guidance_scales=[4.0],
+        boundary_ratio=None,
+        expand_timesteps=True,
+        reference=None,
+        generator=_generator,
+        old=OldPolicy(old, model.transformers),
+    )
+    shape = model.latent_shape(FRAMES, SIZE, SIZE)
+    condition = model.encode_images([_image(0), _image(1)], FRAMES, SIZE, SIZE, "cpu")
+    pos, _ = model.encode_prompts(PROMPTS, "", TEXT_TOKENS, "cpu")
+    x0 = condition.clean(torch.randn(2, *shape, generator=torch.Generator().manual_seed(3)))
+    chunk = dict(slice=slice(0, 2), pos=pos, rollout=SimpleNamespace(final_latents=x0), condition=condition)
+    batch = dict(advantages=torch.tensor([1.0, -1.0]), sample_ids=torch.tensor([0, 1]), rollout_index=0)
+    batch["step_in_rollout"] = 0
+    loss = algorithm.accumulate(policy, batch, [chunk])["loss"]
+
+    sigmas, noises = algorithm._draws(policy, batch, chunk, x0)
+    r = torch.tensor([0.6, 0.4])  # optimality of advantages ±1 with A_max 5
+    per_level, whole = [], []
+    with torch.no_grad():
+        for sigma, noise in zip(sigmas, noises):
+            x_t = (1 - sigma) * x0 + sigma * noise
+            args = (x_t, sigma * 1000, pos, None, [4.0], None, True, condition)
+            v, v_old = predict_velocity(model.transformers, *args), predict_velocity(old, *args)
+            frames = [t[:, :, 1:] for t in (v, v_old, x_t, x0)]
+            per_level.append(5.0 * nft_loss(*frames, sigma, r, 1.0)[0].mean())
+            whole.append(5.0 * nft_loss(v, v_old, x_t, x0, sigma, r, 1.0)[0].mean())
+    assert loss == pytest.approx(float(torch.stack(per_level).mean()), rel=1e-5)
+    assert abs(loss - float(torch.stack(whole).mean())) > 1e-3 * abs(loss)  # the first frame would count
