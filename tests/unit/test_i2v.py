@@ -102,18 +102,28 @@ def test_tiny_i2v_layouts(model):
     assert (t.image_dim is not None) == has_clip and (t.added_kv_proj_dim is not None) == has_clip
 
 
+@pytest.mark.parametrize("scheduler", ["folder", "unipc"])
 @pytest.mark.parametrize("guidance", [1.0, 4.0])
-def test_i2v_sampler_reproduces_the_i2v_pipeline(model, guidance):
+def test_i2v_sampler_reproduces_the_i2v_pipeline(model, guidance, scheduler):
+    import copy
+
+    from diffusers import UniPCMultistepScheduler
+
+    pipe = copy.copy(model.image_pipeline)  # a shallow copy: the scheduler swap stays in this test
+    if scheduler == "unipc":  # what the Wan I2V -Diffusers folders ship
+        pipe.scheduler = UniPCMultistepScheduler(
+            prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0, num_train_timesteps=1000
+        )
     settings = _settings(model, guidance)
     image = _image(0)
     pos, neg = model.encode_prompts(PROMPTS, "", TEXT_TOKENS, "cpu")
     condition = model.encode_images([image, image], FRAMES, SIZE, SIZE, "cpu")
     noise = torch.randn(2, *settings.latent_shape, generator=torch.Generator().manual_seed(0))
     got = sample_with_scheduler(
-        model.transformers, model.pipeline.scheduler, pos, neg, noise, settings, condition=condition
+        model.transformers, pipe.scheduler, pos, neg, noise, settings, condition=condition
     )
     two = len(model.transformers) == 2
-    want = model.image_pipeline(
+    want = pipe(
         image=image,
         prompt_embeds=pos,
         negative_prompt_embeds=neg,
@@ -131,11 +141,14 @@ def test_i2v_sampler_reproduces_the_i2v_pipeline(model, guidance):
         assert torch.equal(got, want.float())
     else:
         err = (got - want).abs().max().item()
+        print(
+            f"[i2v parity] {model.path.name} {scheduler} CFG {guidance}: max abs {err:.2e} of {want.abs().max():.2f}"
+        )
         assert err <= 1e-6 * want.abs().max().item(), err
     # The condition matters: another image gives another video.
     other = model.encode_images([_image(1)] * 2, FRAMES, SIZE, SIZE, "cpu")
     moved = sample_with_scheduler(
-        model.transformers, model.pipeline.scheduler, pos, neg, noise, settings, condition=other
+        model.transformers, pipe.scheduler, pos, neg, noise, settings, condition=other
     )
     assert (moved - got).abs().max() > 1e-3
     if model.condition_mode == "first_frame":  # the first latent frame is the encoded image
