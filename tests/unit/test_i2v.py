@@ -145,6 +145,8 @@ def test_i2v_sampler_reproduces_the_i2v_pipeline(model, guidance, scheduler):
             f"[i2v parity] {model.path.name} {scheduler} CFG {guidance}: max abs {err:.2e} of {want.abs().max():.2f}"
         )
         assert err <= 1e-6 * want.abs().max().item(), err
+    if guidance == 1.0 or scheduler == "unipc":
+        return
     # The condition matters: another image gives another video.
     other = model.encode_images([_image(1)] * 2, FRAMES, SIZE, SIZE, "cpu")
     moved = sample_with_scheduler(
@@ -324,25 +326,64 @@ def test_dry_run_refuses_a_missing_image(monkeypatch, tmp_path):
         _plan([*TINY_I2V, "--data.prompt-file", str(path), "--world-size", "4"])
 
 
-def test_dry_run_of_wan21_i2v_14b_shapes(monkeypatch, tmp_path):
-    """A configs-only Wan2.1-I2V-14B-480P folder: 36 input channels, 16 denoised, real token counts."""
+WAN22_I2V_A14B = {**WAN21_I2V_14B, "image_dim": None, "added_kv_proj_dim": None}
+TI2V_5B = {
+    **WAN21_I2V_14B,
+    "image_dim": None,
+    "added_kv_proj_dim": None,
+    "in_channels": 48,
+    "out_channels": 48,
+}
+TI2V_5B.update(num_attention_heads=24, num_layers=30, ffn_dim=14336)
+WAN21_VAE = {"base_dim": 96, "z_dim": 16, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 2, "attn_scales": []}
+WAN21_VAE["temperal_downsample"] = [False, True, True]
+WAN22_VAE = {**WAN21_VAE, "base_dim": 160, "decoder_base_dim": 256, "z_dim": 48, "is_residual": True}
+WAN22_VAE.update(
+    in_channels=12, out_channels=12, patch_size=2, scale_factor_spatial=16, scale_factor_temporal=4
+)
+REAL_I2V = {  # configs of the -Diffusers folders: (index, transformer, vae, frames x size, latent shape, condition)
+    "Wan2.1-I2V-14B-480P": (
+        {"_class_name": "WanImageToVideoPipeline", "image_encoder": ["transformers", "CLIPVisionModel"]},
+        WAN21_I2V_14B, WAN21_VAE, (81, 480, 832), [16, 21, 60, 104], "concat",
+    ),
+    "Wan2.2-I2V-A14B": (
+        {"_class_name": "WanImageToVideoPipeline", "boundary_ratio": 0.9, "transformer_2": ["diffusers", "WanTransformer3DModel"]},
+        WAN22_I2V_A14B, WAN21_VAE, (81, 480, 832), [16, 21, 60, 104], "concat",
+    ),
+    "Wan2.2-TI2V-5B": (
+        {"_class_name": "WanPipeline", "expand_timesteps": True},
+        TI2V_5B, WAN22_VAE, (81, 704, 1280), [48, 21, 44, 80], "first_frame",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(REAL_I2V))
+def test_dry_run_of_real_i2v_shapes(monkeypatch, tmp_path, name):
+    """Configs-only folders of the three I2V models: the denoised channels, real token counts, exact
+    parameter counts (the 36-channel patch embedding and Wan2.1-I2V's image branch included)."""
     from diffusers import WanTransformer3DModel
 
+    index, transformer, vae, (frames, height, width), latent, mode = REAL_I2V[name]
     monkeypatch.chdir(ROOT)
-    for sub in ("transformer", "vae", "image_encoder", "image_processor"):  # no tokenizer: not loaded
+    experts = ["transformer", "transformer_2"] if "transformer_2" in index else ["transformer"]
+    for sub in [*experts, "vae", "image_encoder"]:  # no tokenizer: the dry run would load it
         (tmp_path / sub).mkdir()
-    (tmp_path / "transformer/config.json").write_text(json.dumps(WAN21_I2V_14B))
-    vae = {"base_dim": 96, "z_dim": 16, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 2, "attn_scales": []}
-    (tmp_path / "vae/config.json").write_text(json.dumps({**vae, "temperal_downsample": [False, True, True]}))
-    index = {
-        "_class_name": "WanImageToVideoPipeline",
-        "image_encoder": ["transformers", "CLIPVisionModel"],
-        "image_processor": ["transformers", "CLIPImageProcessor"],
+    for sub in experts:
+        (tmp_path / sub / "config.json").write_text(json.dumps(transformer))
+    (tmp_path / "vae/config.json").write_text(json.dumps(vae))
+    full_index = {
         "transformer": ["diffusers", "WanTransformer3DModel"],
         "vae": ["diffusers", "AutoencoderKLWan"],
     }
-    (tmp_path / "model_index.json").write_text(json.dumps(index))
-    size = ["--rollout.num-frames", "81", "--rollout.height", "480", "--rollout.width", "832"]
+    (tmp_path / "model_index.json").write_text(json.dumps({**full_index, **index}))
+    size = [
+        "--rollout.num-frames",
+        str(frames),
+        "--rollout.height",
+        str(height),
+        "--rollout.width",
+        str(width),
+    ]
     argv = [
         *TINY_I2V,
         "--model.path",
@@ -354,12 +395,12 @@ def test_dry_run_of_wan21_i2v_14b_shapes(monkeypatch, tmp_path):
         "8",
     ]
     rep = _plan([*argv, "--model.dtype", "bfloat16", "--model.activation-checkpointing", "full"])
-    assert rep["model"]["image_condition"] == "concat"
-    assert rep["sequence"]["latent_shape"] == [16, 21, 60, 104]
-    assert rep["sequence"]["tokens_per_sample"] == 32760
+    assert rep["model"]["image_condition"] == mode and rep["model"]["num_experts"] == len(experts)
+    assert rep["sequence"]["latent_shape"] == latent
+    assert rep["sequence"]["tokens_per_sample"] == latent[1] * latent[2] * latent[3] // 4
     with torch.device("meta"):
-        meta = WanTransformer3DModel(**WAN21_I2V_14B)
-    assert rep["params"]["transformer"] == sum(p.numel() for p in meta.parameters())
+        meta = WanTransformer3DModel(**transformer)
+    assert rep["params"]["per_expert"] == [sum(p.numel() for p in meta.parameters())] * len(experts)
 
 
 # ---------------------------------------------------------------------------------------------
