@@ -153,6 +153,14 @@ class RolloutConfig:
 class RewardConfig:
     weights: dict[str, float] = dataclasses.field(default_factory=lambda: {"jpeg_incompressibility": 1.0})
     """Reward name -> weight; the combined reward is the weighted sum."""
+    normalize: dict[str, Literal["none", "group", "batch"]] = dataclasses.field(default_factory=dict)
+    """Per-reward normalisation before weighting (``--reward.normalize NAME MODE [NAME MODE ...]``, all pairs after one flag): ``group`` (r - mean) /
+    (std + 1e-4) within each prompt's group, ``batch`` over the whole rollout batch, ``none`` (the
+    default for unnamed rewards) raw; the trained reward is sum_i weight_i * norm_i(reward_i).
+    ``reward/<name>`` logs stay raw (miles.rewards.shaping)."""
+    gold: list[str] = dataclasses.field(default_factory=list)
+    """Rewards scored on held-out evaluation only, never trained on (logged as ``eval/<name>/mean``
+    beside the trained ones) to watch over-optimisation; built and checked before the first rollout."""
     pickscore_path: str | None = None
     """Local folder of a PickScore CLIP model (yuvalkirstain/PickScore_v1)."""
     pickscore_processor_path: str | None = None
@@ -401,6 +409,13 @@ def validate(cfg: Config) -> None:
     for name, weight in cfg.reward.weights.items():
         if not math.isfinite(weight):
             raise ConfigError(f"reward.weights.{name} must be a finite number, got {weight}")
+    from miles.rewards.shaping import check_gold, check_normalize  # light: torch only
+
+    try:
+        check_normalize(cfg.reward.normalize, cfg.reward.weights)
+        check_gold(cfg.reward.gold, cfg.reward.weights)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def config_warnings(cfg: Config) -> list[str]:
@@ -408,6 +423,10 @@ def config_warnings(cfg: Config) -> list[str]:
     found = []
     if cfg.train.learning_rate == 0:
         found.append("learning rate 0: the weights will not change (train.learning_rate)")
+    if cfg.reward.gold and not cfg.eval.prompt_file:
+        found.append(
+            "reward.gold is scored in evaluation only, and eval.prompt_file is unset: it is never scored"
+        )
     return found
 
 
@@ -422,6 +441,9 @@ def check_reward_names(cfg: Config) -> None:
                 f"reward.weights names an unknown reward {name!r}; registered rewards: {known} "
                 "(set one with --reward.weights.NAME WEIGHT)"
             )
+    for name in cfg.reward.gold:
+        if name not in known:
+            raise ConfigError(f"reward.gold names an unknown reward {name!r}; registered rewards: {known}")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -82,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     from miles.data.prompts import load_prompts
     from miles.eval.evaluate import eval_settings, evaluate, summarize, write_eval
     from miles.models.wan import load_wan
-    from miles.rewards import build_rewards
+    from miles.rewards.from_config import build_configured_rewards
+    from miles.rewards.shaping import EvalRewards
 
     try:
         cfg, out, checkpoint = _parse(argv)
@@ -91,13 +92,7 @@ def main(argv: list[str] | None = None) -> int:
             torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else None
         )
         device = device or torch.device("cpu")
-        rewards = build_rewards(
-            cfg.reward.weights,
-            num_frames=cfg.reward.num_frames,
-            pickscore_path=cfg.reward.pickscore_path,
-            pickscore_processor_path=cfg.reward.pickscore_processor_path,
-            device=device,
-        )
+        rewards = EvalRewards(*build_configured_rewards(cfg.reward, device))
         model = load_wan(cfg.model, device)
         if checkpoint is not None:
             load_checkpoint_weights(model, checkpoint, cfg.model)

@@ -41,7 +41,8 @@ from miles.parallel.compile import resolve_compile
 from miles.parallel.fsdp import apply_fsdp, unsharded_for_rollout
 from miles.parallel.topology import ParallelDims, build_parallel_mesh, resolve_ulysses_degree
 from miles.parallel.topology_checks import check_ulysses_within_node, local_world_size_from_env
-from miles.rewards import build_rewards
+from miles.rewards.from_config import build_configured_rewards
+from miles.rewards.shaping import EvalRewards, shaped_reward
 from miles.rollout.sampler import sample_with_logprob
 from miles.sequence_parallel import apply_sequence_parallel, validate_sp_args
 from miles.train.checkpoint import (
@@ -123,13 +124,7 @@ class Trainer:
         self.eval_prompts = (
             [p.text for p in load_prompts(cfg.eval.prompt_file)] if cfg.eval.prompt_file else []
         )
-        self.rewards = build_rewards(
-            cfg.reward.weights,
-            num_frames=cfg.reward.num_frames,
-            pickscore_path=cfg.reward.pickscore_path,
-            pickscore_processor_path=cfg.reward.pickscore_processor_path,
-            device=self.device,
-        )
+        self.rewards, self.gold_rewards = build_configured_rewards(cfg.reward, self.device)
         self.model: WanModel = load_wan(cfg.model, self.device)
         self.dims = self._parallel_dims()
         check_ulysses_within_node(self.dims, local_world_size_from_env())
@@ -473,8 +468,14 @@ class Trainer:
         ids = [torch.empty_like(local_ids) for _ in range(self.mesh.dp_size)]
         dist.all_gather(ids, local_ids, group=self.mesh.dp_group)
         n = batch["group_ids"].numel()
+        per_reward_all = {name: everything[1 + i] for i, name in enumerate(self.rewards.names)}
+        trained = everything[0]
+        if any(mode != "none" for mode in self.cfg.reward.normalize.values()):
+            trained = shaped_reward(
+                per_reward_all, self.rewards.weights, self.cfg.reward.normalize, torch.cat(ids)
+            )
         advantages = group_advantages(
-            everything[0],
+            trained,
             torch.cat(ids),
             global_std=self.cfg.grpo.global_std,
             adv_clip_max=self.cfg.grpo.adv_clip_max,
@@ -488,7 +489,8 @@ class Trainer:
             video_rewards=video_rewards,
             advantages=advantages[mine].to(self.device),
             reward_all=everything[0],
-            per_reward_all={name: everything[1 + i] for i, name in enumerate(self.rewards.names)},
+            shaped_all=trained,
+            per_reward_all=per_reward_all,
             advantages_all=advantages,
         )
         if not torch.isfinite(everything).all():
@@ -688,7 +690,7 @@ class Trainer:
         ):
             result = evaluate(
                 self.model,
-                self.rewards,
+                EvalRewards(self.rewards, self.gold_rewards),
                 self.eval_prompts,
                 cfg.eval.num_seeds,
                 settings,
@@ -748,6 +750,9 @@ class Trainer:
             "memory/peak_gib": peak_memory_gib(self.device),
             **{f"train/{k}": v for k, v in after.items()},
         }
+        if batch["shaped_all"] is not batch["reward_all"]:  # reward.normalize: what advantages see
+            metrics["reward/shaped/mean"] = batch["shaped_all"].mean()
+            metrics["reward/shaped/std"] = batch["shaped_all"].std()
         for name, values in batch["per_reward_all"].items():
             metrics[f"reward/{name}/mean"] = values.mean()
             metrics[f"reward/{name}/std"] = values.std()
