@@ -167,6 +167,16 @@ class RewardConfig:
     """Local folder of its processor (laion/CLIP-ViT-H-14-laion2B-s32B-b79K); None: pickscore_path."""
     num_frames: int = 4
     """Frames sampled uniformly from each video for frame-level rewards."""
+    clipscore_path: str | None = None
+    """``clipscore``: local folder of a transformers CLIP model + processor (openai/clip-vit-base-patch32)."""
+    hps_path: str | None = None
+    """``hpsv2``: HPS_v2.1_compressed.pt (xswu/HPSv2), or a folder holding it (an OpenCLIP checkpoint)."""
+    hps_processor_path: str | None = None
+    """``hpsv2``: local folder of laion/CLIP-ViT-H-14-laion2B-s32B-b79K (its config.json and processor)."""
+    aesthetic_clip_path: str | None = None
+    """``aesthetic``: local folder of openai/clip-vit-large-patch14 (model + processor)."""
+    aesthetic_head_path: str | None = None
+    """``aesthetic``: sac+logos+ava1-l14-linearMSE.pth (camenduru/improved-aesthetic-predictor), or its folder."""
     remote_url: str | None = None
     """``remote``: base URL of a reward server (start it first: ``python -m miles.rewards.serve``)."""
     remote_rewards: dict[str, float] | None = None

@@ -5,10 +5,14 @@
     combined, per_reward = rewards(videos, prompts)  # videos (B, F, C, H, W) in [0, 1]
 
 Built in: ``jpeg_compressibility``, ``jpeg_incompressibility`` (DDPO), ``pickscore`` (flow_grpo),
-``sharpness`` (continuous, download-free).
+``sharpness`` (continuous, download-free), ``clipscore``, ``hpsv2`` (HPSv2.1), ``aesthetic`` (LAION),
+``remote`` (a reward server), ``vlm_judge`` (an OpenAI-compatible VLM), ``world_adherence``.
 """
 
+from miles.rewards.aesthetic import Aesthetic
 from miles.rewards.base import Reward, frames_to_uint8, sample_frame_indices
+from miles.rewards.clipscore import CLIPScore
+from miles.rewards.hpsv2 import HPSv2
 from miles.rewards.jpeg import JpegCompressibility, JpegIncompressibility
 from miles.rewards.pickscore import PickScore
 from miles.rewards.registry import MultiReward, build_rewards, register_reward, registered_rewards
@@ -19,6 +23,9 @@ from miles.rewards.vlm_judge import VLMJudge
 from miles.rewards.world import WorldAdherence
 
 __all__ = [
+    "Aesthetic",
+    "CLIPScore",
+    "HPSv2",
     "JpegCompressibility",
     "JpegIncompressibility",
     "MultiReward",
