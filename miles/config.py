@@ -175,6 +175,14 @@ class RewardConfig:
     """``hpsv2``: local folder of laion/CLIP-ViT-H-14-laion2B-s32B-b79K (its config.json and processor)."""
     aesthetic_clip_path: str | None = None
     """``aesthetic``: local folder of openai/clip-vit-large-patch14 (model + processor)."""
+    videoalign_path: str | None = None
+    """``videoalign``: local save_pretrained folder of a Qwen2-VL reward model with ``rm_head`` (KwaiVGI/VideoReward)."""
+    videoalign_dimension: Literal["overall", "vq", "mq", "ta"] = "overall"
+    """``videoalign``: what it returns: standardised visual quality, motion quality, text alignment, or their sum."""
+    videoalign_num_frames: int = 8
+    """``videoalign``: frames per video fed to Qwen2-VL, sampled uniformly (paired by its temporal patch of 2)."""
+    videoalign_max_pixels: int = 448 * 448
+    """``videoalign``: frames are resized to a multiple of 28 within this many pixels (smart_resize)."""
     aesthetic_head_path: str | None = None
     """``aesthetic``: sac+logos+ava1-l14-linearMSE.pth (camenduru/improved-aesthetic-predictor), or its folder."""
     remote_url: str | None = None

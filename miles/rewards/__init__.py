@@ -6,7 +6,7 @@
 
 Built in: ``jpeg_compressibility``, ``jpeg_incompressibility`` (DDPO), ``pickscore`` (flow_grpo),
 ``sharpness`` (continuous, download-free), ``clipscore``, ``hpsv2`` (HPSv2.1), ``aesthetic`` (LAION),
-``remote`` (a reward server), ``vlm_judge`` (an OpenAI-compatible VLM), ``world_adherence``.
+``videoalign`` (a Qwen2-VL video reward), ``remote`` (a reward server), ``vlm_judge`` (an OpenAI-compatible VLM), ``world_adherence``.
 """
 
 from miles.rewards.aesthetic import Aesthetic
@@ -19,6 +19,7 @@ from miles.rewards.registry import MultiReward, build_rewards, register_reward, 
 from miles.rewards.remote import RemoteReward, RemoteRewardError
 from miles.rewards.sharpness import Sharpness
 from miles.rewards.tiny_clip import tiny_clip
+from miles.rewards.videoalign import VideoAlign
 from miles.rewards.vlm_judge import VLMJudge
 from miles.rewards.world import WorldAdherence
 
@@ -34,6 +35,7 @@ __all__ = [
     "RemoteRewardError",
     "Reward",
     "Sharpness",
+    "VideoAlign",
     "VLMJudge",
     "WorldAdherence",
     "build_rewards",

@@ -1,16 +1,21 @@
-"""Local scorers (CLIPScore, HPSv2.1, the LAION aesthetic predictor) on tiny random builds.
+"""Local scorers (CLIPScore, HPSv2.1, the LAION aesthetic predictor, VideoAlign) on tiny random builds.
 
 Each test saves a tiny random model in the real layout (``save_pretrained`` folders, an OpenCLIP
 state dict under OpenCLIP's key names, the aesthetic head's ``layers.*`` state dict), loads it
 through the reward with the hub offline, and compares the score with the formula written out
 here in float64 — for HPSv2.1 with a functional OpenCLIP forward straight from the raw state
-dict, so the key conversion into transformers' CLIP is checked too.
+dict, so the key conversion into transformers' CLIP is checked too; for VideoAlign with the stock
+Qwen2-VL and the reward head read from the saved file, and its video patches against the stock
+Qwen2-VL image processor.
 """
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -263,3 +268,98 @@ def test_dry_run_check_refuses_missing_gold_weights(tmp_path):
 
     with pytest.raises(ValueError, match=r"reward\.clipscore_path=.* holds no config\.json.*clip-vit-base"):
         check_reward_config(RewardConfig(gold=["clipscore"], clipscore_path=str(tmp_path)))
+
+
+# --- VideoAlign-style (Qwen2-VL + rm_head) -----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def videoalign_dir(tmp_path_factory):
+    from miles.rewards.tiny_videoalign import tiny_videoalign
+
+    return tiny_videoalign(tmp_path_factory.mktemp("tiny_videoalign"))
+
+
+def test_video_patches_match_the_qwen2vl_image_processor(videoalign_dir):
+    """Two identical frames patchify as the stock processor patchifies that image (it tiles an image
+    over the temporal patch), resize included: 50x70 -> smart_resize -> 56x56 here."""
+    from PIL import Image
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from miles.rewards.videoalign import video_patches
+
+    proc = json.loads((Path(videoalign_dir) / "preprocessor_config.json").read_text())
+    torch.manual_seed(4)
+    image = (torch.rand(50, 70, 3) * 255).round().to(torch.uint8).numpy()
+    ours, grid = video_patches(np.stack([image, image]), proc, max_pixels=proc["max_pixels"])
+    stock = Qwen2VLImageProcessorPil(
+        min_pixels=proc["min_pixels"],
+        max_pixels=proc["max_pixels"],
+        image_mean=proc["image_mean"],
+        image_std=proc["image_std"],
+    )(images=[Image.fromarray(image)], return_tensors="pt")
+    assert list(grid) == stock["image_grid_thw"][0].tolist()
+    torch.testing.assert_close(ours, stock["pixel_values"].float(), rtol=1e-5, atol=1e-5)
+
+
+def test_videoalign_matches_reference(videoalign_dir):
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration
+
+    from miles.rewards.videoalign import CHAT, MEAN, QUESTION, STD, video_patches
+
+    torch.manual_seed(5)
+    videos, prompts = torch.rand(2, 9, 3, 40, 48), ["a red ball rolls left", "snow"]
+    reward = build_rewards({"videoalign": 1.0}, videoalign_path=videoalign_dir, videoalign_num_frames=4)
+    score = reward.rewards["videoalign"](videos, prompts)
+    ta = build_rewards(
+        {"videoalign": 1.0},
+        videoalign_path=videoalign_dir,
+        videoalign_num_frames=4,
+        videoalign_dimension="ta",
+    ).rewards["videoalign"](videos, prompts)
+
+    # the reference: the stock Qwen2-VL (no rm_head) in float64, the head read from the file
+    model = Qwen2VLForConditionalGeneration.from_pretrained(videoalign_dir).double().eval()
+    head = load_file(str(Path(videoalign_dir) / "model.safetensors"))["rm_head.weight"].double()
+    tokenizer = AutoTokenizer.from_pretrained(videoalign_dir)
+    proc = json.loads((Path(videoalign_dir) / "preprocessor_config.json").read_text())
+    reference = []
+    for video, prompt in zip(videos, prompts):
+        frames = (video[[0, 3, 5, 8]] * 255).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).numpy()
+        patches, grid = video_patches(frames, proc, max_pixels=448 * 448)
+        n = grid[0] * grid[1] * grid[2] // 4
+        text = CHAT.format(video="<|video_pad|>" * n, question=QUESTION.format(prompt=prompt))
+        ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            hidden = model.model(
+                input_ids=ids,
+                pixel_values_videos=patches.double(),
+                video_grid_thw=torch.tensor([grid]),
+                mm_token_type_ids=(ids == model.config.video_token_id).long() * 2,
+            ).last_hidden_state[0]
+        rows = []
+        for i, token in enumerate(["<|VQ_reward|>", "<|MQ_reward|>", "<|TA_reward|>"]):
+            pos = int((ids[0] == tokenizer.convert_tokens_to_ids(token)).nonzero()[0])
+            rows.append((float(hidden[pos] @ head[i]) - MEAN[i]) / STD[i])
+        reference.append(rows)
+    reference = torch.tensor(reference, dtype=torch.float64)
+    torch.testing.assert_close(score.double(), reference.sum(dim=1), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(ta.double(), reference[:, 2], rtol=1e-4, atol=1e-4)
+    assert (reference[0] - reference[1]).abs().max() > 1e-3  # the videos and prompts matter
+
+
+def test_videoalign_refuses_a_folder_without_rm_head_or_weights(videoalign_dir, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    with pytest.raises(ValueError, match=r"set reward\.videoalign_path .*KwaiVGI/VideoReward"):
+        build_rewards({"videoalign": 1.0})
+    headless = tmp_path / "headless"
+    shutil.copytree(videoalign_dir, headless)
+    state = load_file(str(headless / "model.safetensors"))
+    del state["rm_head.weight"]
+    save_file(state, str(headless / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="holds no rm_head.weight"):
+        build_rewards({"videoalign": 1.0}, videoalign_path=headless)
