@@ -294,7 +294,7 @@ class EvalConfig:
     num_steps: int | None = None
     """Denoising steps; None: rollout.num_steps."""
     log_videos: bool = True
-    """Write a video grid of rank 0's evaluation samples (``<run>/eval/step_N.gif``) and log it."""
+    """Write a video grid of rank 0's evaluation samples (``<run>/eval/step_N.mp4``; GIF without an mp4 encoder) and log it."""
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -10,7 +10,7 @@ The recipe gives the rollout settings (frames, size, steps, shift, CFG), the rew
 section (prompts, seeds, sampler); any field can be overridden as for ``train_grpo.py``. With
 ``--checkpoint`` the base model and LoRA settings come from the checkpoint's own config and its
 trained weights are loaded on top (no process group or trainer needed). Writes
-``OUT/eval.json`` (summary and every sample's scores) and ``OUT/eval.gif`` (the grid) and prints
+``OUT/eval.json`` (summary and every sample's scores) and ``OUT/eval.mp4`` (the grid; GIF without an mp4 encoder) and prints
 the summary. Sampling is the trainer's evaluation exactly (``miles.eval.evaluate``).
 """
 

@@ -33,7 +33,7 @@ from miles.algorithms import Policy, build_algorithm
 from miles.config import Config
 from miles.data.prompts import TINY_PROMPTS, GroupSampler, load_prompts
 from miles.eval import evaluate, summarize, write_eval
-from miles.eval.evaluate import eval_settings
+from miles.eval.evaluate import eval_settings, grid_caption
 from miles.grpo.advantages import group_advantages
 from miles.models.wan import DTYPES, WanModel, calibrate_block_memory, load_wan
 from miles.parallel.checkpointing import checkpoint_modes, fixed_training_bytes
@@ -674,7 +674,7 @@ class Trainer:
 
     def evaluate(self) -> None:
         """Sample the held-out prompts deterministically, score them with every reward, log
-        ``eval/<reward>/mean`` (``eval.jsonl``, wandb) and write ``<run>/eval/step_N.{json,gif}``."""
+        ``eval/<reward>/mean`` (``eval.jsonl``, wandb) and write ``<run>/eval/step_N.{json,mp4}``."""
         cfg = self.cfg
         if not self.eval_prompts:
             return
@@ -707,10 +707,11 @@ class Trainer:
             "rollout": self.rollout_index,
             "time/eval_s": time.perf_counter() - t0,
         }
-        grid = None
+        grid, caption = None, ""
         if self.rank == 0:
-            grid = write_eval(result, self.run_dir / "eval", f"step_{self.step:06d}").get("gif")
-        self.logger.log_eval(metrics, step=self.step, grid=grid, caption=f"held-out, step {self.step}")
+            grid = write_eval(result, self.run_dir / "eval", f"step_{self.step:06d}").get("video")
+            caption = grid_caption(result, f"held-out, step {self.step}") if grid else ""
+        self.logger.log_eval(metrics, step=self.step, grid=grid, caption=caption)
         self._eval_step = self.step
         print0(
             f"[eval] step {self.step}: "

@@ -82,4 +82,4 @@ def test_standalone_eval_equals_the_trainers_final_eval(runs, tmp_path, source):
     assert [(g["prompt"], g["seed"]) for g in got] == [(w["prompt"], w["seed"]) for w in want]
     for g, w in zip(got, want):
         assert g["world_adherence"] == pytest.approx(w["world_adherence"], abs=1e-5), (g, w)
-    assert (tmp_path / "eval.gif").is_file()
+    assert (tmp_path / "eval.mp4").is_file()
