@@ -363,3 +363,12 @@ def test_videoalign_refuses_a_folder_without_rm_head_or_weights(videoalign_dir, 
     save_file(state, str(headless / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ValueError, match="holds no rm_head.weight"):
         build_rewards({"videoalign": 1.0}, videoalign_path=headless)
+
+
+def test_reward_server_passes_any_reward_option(capsys):
+    from miles.rewards import serve
+
+    argv = ["--rewards", "clipscore", "--port", "0", "--reward-option", "clipscore_path=/nonexistent/clip"]
+    assert serve.main(argv) == 2
+    assert "reward.clipscore_path='/nonexistent/clip' is not a folder" in capsys.readouterr().err
+    assert serve.main(["--rewards", "clipscore", "--reward-option", "no-equals-sign"]) == 2
