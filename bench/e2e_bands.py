@@ -2,6 +2,7 @@
 
     python bench/e2e_bands.py --out runs/bands                 # 5 bands, 5 rollouts (10 steps) each
     python bench/e2e_bands.py --out runs/bands --double-run    # + a second run per band, compared bitwise
+    python bench/e2e_bands.py --out runs/bands_nft --double-run --algorithm diffusion_nft
 
 Reproduces the seed's E2E validation on CPU (4 gloo processes, ``configs/tiny_bands.yaml``: the
 tiny two-expert Wan, continuous ``sharpness`` reward, ``--deterministic-mode``). Bands:
@@ -64,8 +65,8 @@ TRAJECTORY_RTOL = 1e-3
 # Wall-clock and machine-dependent metrics, left out of the bitwise double-run comparison.
 VOLATILE_PREFIXES = ("time/", "perf/", "memory/")
 ROLLOUT_LINE = re.compile(
-    r"\[rollout (\d+)\] step (\d+) reward mean=(\S+) std=(\S+) min=(\S+) max=(\S+) .*"
-    r"log_prob_mean_abs_diff=(\S+)"
+    r"\[rollout (\d+)\] step (\d+) reward mean=(\S+) std=(\S+) min=(\S+) max=(\S+)"
+    r"(?: .*log_prob_mean_abs_diff=(\S+))?"  # Flow-GRPO's canary; DiffusionNFT has none
 )
 
 
@@ -84,6 +85,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--prompts", type=int, default=8, help="global prompt groups per rollout (divisible by 4)")
     p.add_argument("--config", default="configs/tiny_bands.yaml")
+    p.add_argument(
+        "--algorithm",
+        default="flow_grpo",
+        choices=["flow_grpo", "grpo_guard", "diffusion_nft"],
+        help="algorithm.name of every band (diffusion_nft: CFG-free, guidance 1; it has no canary)",
+    )
     p.add_argument("--bands", default=",".join(b[0] for b in BANDS), help="comma-separated subset of bands")
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per launch")
@@ -119,7 +126,10 @@ def launch(
         "--train.no-resume", "--deterministic-mode",
         "--run.output-dir", str(args.out / "runs"), "--run.name", name,
         "--run.wandb-mode", "disabled", "--run.no-progress",
+        "--algorithm.name", args.algorithm,
     ]  # fmt: skip
+    if args.algorithm == "diffusion_nft":
+        cmd += ["--rollout.guidance-scale", "1.0"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
     for attempt in range(2):
         t0 = time.perf_counter()
@@ -253,7 +263,7 @@ def run_band(args: argparse.Namespace, band: str, sp: int, ulysses: int) -> dict
         return result
     lines = {int(m.group(1)): m.groups() for m in map(ROLLOUT_LINE.search, output.splitlines()) if m}
     metrics = read_metrics(args.out / "runs" / band)
-    firsts = [r for r in metrics if "train/log_prob_mean_abs_diff" in r]
+    firsts = [r for r in metrics if "reward/mean" in r]  # each rollout's first optimizer step
     if 0 not in lines or len(firsts) != args.rollouts:
         result["errors"].append(
             f"expected {args.rollouts} rollouts, got lines {sorted(lines)} / rows {len(firsts)}"
@@ -263,7 +273,7 @@ def run_band(args: argparse.Namespace, band: str, sp: int, ulysses: int) -> dict
     result["reward0"] = dict(zip(("mean", "std", "min", "max"), stats))
     result["reward0_raw"] = {k: firsts[0][f"reward/{k}"] for k in ("mean", "std", "min", "max")}
     result["optimizer_steps"] = max(r["step"] for r in metrics)
-    canary = [r["train/log_prob_mean_abs_diff"] for r in firsts]
+    canary = [r.get("train/log_prob_mean_abs_diff", 0.0) for r in firsts]  # DiffusionNFT has none: 0
     result["canary"] = canary
     steps = [r["time/step_s"] for r in firsts]
     result["step_time_mean_s"] = sum(steps) / len(steps)

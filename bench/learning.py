@@ -8,15 +8,18 @@ Each run is ``train_grpo.py --config configs/world_cpu.yaml`` (the pretrained wo
 ``world_adherence`` reward, held-out evaluation: 8 prompts the training never sees x 4 fixed
 seeds, ODE sampling) in deterministic mode with 4 CPU processes:
 
-- ``dp4``: 4 data-parallel ranks;
+- ``dp4``: Flow-GRPO, 4 data-parallel ranks, CFG-free as the recipe is (``grpo.train_cfg false``,
+  rollouts and evaluation at guidance 1);
 - ``dp2xsp2``: 2 dp ranks x sp 2 (Ulysses) — the same global batch (prompts-per-rank 2 at dp4 is
   8 prompt groups; at dp2 x sp2 prompts-per-rank 4), so its curve must coincide with dp4's;
 - ``dp4-negated``: dp4 with ``grpo.negate_advantages`` — the same run pushed away from the
   reward, which must not rise;
 - ``nft-dp4``, ``nft-dp2xsp2``, ``nft-dp4-negated``: the same three with DiffusionNFT
-  (``algorithm.name diffusion_nft``), CFG-free as the method is (rollout and eval at guidance 1);
-- ``guard-dp4``: GRPO-Guard; ``cps-dp4``: Flow-GRPO with CPS sampling; ``nocfg-dp4``: Flow-GRPO
-  trained and rolled out without CFG (``grpo.train_cfg false``, guidance 1: NFT's setting).
+  (``algorithm.name diffusion_nft``);
+- ``cfg-*``: Flow-GRPO as its paper runs it, rolled out and trained with CFG (guidance 4), in
+  the same layouts and control, and with GRPO-Guard (``cfg-guard-dp4``) and CPS sampling
+  (``cfg-cps-dp4``); ``guard-dp4``, ``cps-dp4``: the same two CFG-free;
+- ``*-1step``: the whole rollout (64 samples) in one optimizer step instead of two steps of 32.
 
 Every run keeps the recipe's optimizer, learning rate, batch and evaluation: nothing is tuned per
 method.
@@ -39,22 +42,23 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 REWARD = "world_adherence"
-RUNS = {
-    "dp4": ["--data.prompts-per-rank", "2"],
-    "dp2xsp2": ["--data.prompts-per-rank", "4", "--sequence-parallel-size", "2", "--ulysses-degree", "2"],
-    "dp4-negated": ["--data.prompts-per-rank", "2", "--grpo.negate-advantages"],
-}
-_NFT = ["--algorithm.name", "diffusion_nft", "--rollout.guidance-scale", "1.0"]
+_DP4 = ["--data.prompts-per-rank", "2"]
+_DP2XSP2 = ["--data.prompts-per-rank", "4", "--sequence-parallel-size", "2", "--ulysses-degree", "2"]
+_NEGATED = ["--grpo.negate-advantages"]
+_CFG = ["--grpo.train-cfg", "--rollout.guidance-scale", "4.0"]
+_NFT = ["--algorithm.name", "diffusion_nft"]
+_ONE_STEP = ["--train.steps-per-rollout", "1"]
+RUNS = {"dp4": _DP4, "dp2xsp2": _DP2XSP2, "dp4-negated": [*_DP4, *_NEGATED]}
+RUNS.update({f"nft-{name}": [*flags, *_NFT] for name, flags in list(RUNS.items())})
+RUNS.update({f"cfg-{name}": [*RUNS[name], *_CFG] for name in ("dp4", "dp2xsp2", "dp4-negated")})
 RUNS.update(
     {
-        "nft-dp4": [*RUNS["dp4"], *_NFT],
-        "nft-dp2xsp2": [*RUNS["dp2xsp2"], *_NFT],
-        "nft-dp4-negated": [*RUNS["dp4-negated"], *_NFT],
-        "guard-dp4": [*RUNS["dp4"], "--algorithm.name", "grpo_guard"],
-        "cps-dp4": [*RUNS["dp4"], "--rollout.sde-type", "cps"],
-        "nocfg-dp4": [*RUNS["dp4"], "--grpo.no-train-cfg", "--rollout.guidance-scale", "1.0"],
+        "guard-dp4": [*_DP4, "--algorithm.name", "grpo_guard"],
+        "cps-dp4": [*_DP4, "--rollout.sde-type", "cps"],
+        "dp4-1step": [*_DP4, *_ONE_STEP],
     }
 )
+RUNS.update({f"cfg-{name}": [*RUNS[name], *_CFG] for name in ("guard-dp4", "cps-dp4", "dp4-1step")})
 DEFAULT_RUNS = ["dp4", "dp2xsp2", "dp4-negated"]
 
 
@@ -82,10 +86,14 @@ def launch_all(
         if not parallel:
             procs[name][0].wait()
             walls[name] = time.monotonic() - t0
-    for name, (proc, t0) in procs.items():
-        if proc.wait() != 0:
+    while len(walls) < len(procs):  # each run's own wall time, also when they run at once
+        for name, (proc, t0) in procs.items():
+            if name not in walls and proc.poll() is not None:
+                walls[name] = time.monotonic() - t0
+        time.sleep(0.5)
+    for name, (proc, _) in procs.items():
+        if proc.returncode != 0:
             raise SystemExit(f"run {name} failed (rc {proc.returncode}); see {out / (name + '.log')}")
-        walls.setdefault(name, time.monotonic() - t0)
     return walls
 
 
@@ -117,13 +125,17 @@ def plot(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    for name, res in results.items():
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    colors = plt.get_cmap("tab20").colors
+    for i, (name, res) in enumerate(results.items()):
+        # negated controls dashed; the dp2 x sp2 twins dotted, over their dp4 curves
+        style = dict(color=colors[i % len(colors)], label=name)
+        style["linestyle"] = "--" if "negated" in name else ":" if "sp2" in name else "-"
         steps = [e["step"] for e in res["eval"]]
         adherence = [e["adherence"] for e in res["eval"]]
-        axes[0].plot(steps, adherence, marker="o", label=name)
-        axes[1].plot([e["time_s"] for e in res["eval"]], adherence, marker="o", label=name)
-        axes[2].plot([t["step"] for t in res["train"]], [t["reward"] for t in res["train"]], label=name)
+        axes[0].plot(steps, adherence, marker="o", markersize=3, **style)
+        axes[1].plot([e["time_s"] for e in res["eval"]], adherence, marker="o", markersize=3, **style)
+        axes[2].plot([t["step"] for t in res["train"]], [t["reward"] for t in res["train"]], **style)
     for ax, (xlabel, ylabel) in zip(
         axes,
         [
@@ -135,15 +147,17 @@ def plot(results: dict, path: Path) -> None:
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
-        ax.legend()
+    axes[2].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
     fig.suptitle("RL on the tiny world (configs/world_cpu.yaml): held-out prompts, ODE, fixed seeds")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
 def table(results: dict, target: float) -> str:
+    """One row per run; times are to the end of the final evaluation, from the end of the
+    launch's setup (so runs that shared a machine compare by their own progress)."""
     lines = [
-        "| run | baseline held-out | final held-out | error 1 − adherence | best held-out | steps | wall time |",
+        "| run | baseline held-out | final held-out | error 1 − adherence | best held-out | steps | time |",
         "|---|---|---|---|---|---|---|",
     ]
     for name, res in results.items():
@@ -152,28 +166,29 @@ def table(results: dict, target: float) -> str:
         ratio = (1 - final) / max(1 - base, 1e-9)
         lines.append(
             f"| {name} | {base:.3f} | {final:.3f} | {1 - base:.3f} → {1 - final:.3f} (×{ratio:.2f}) | "
-            f"{best:.3f} | {ev[-1]['step']} | {res['wall_s']:.0f} s |"
+            f"{best:.3f} | {ev[-1]['step']} | {ev[-1]['time_s']:.0f} s |"
         )
     lines.append("")
     lines.append(
         f"Target: the error of the trained runs at most ×{target:.2f} of the baseline's; the negated runs must not rise."
     )
-    if "dp4" in results and "nft-dp4" in results:
-        lines.append("")
-        lines.append(nft_vs_grpo(results["dp4"], results["nft-dp4"]))
+    for grpo in ("dp4", "cfg-dp4"):  # Flow-GRPO CFG-free as NFT, and with CFG (guidance 4)
+        if grpo in results and "nft-dp4" in results:
+            lines.append("")
+            lines.append(nft_vs_grpo(grpo, results[grpo], results["nft-dp4"]))
     return "\n".join(lines)
 
 
-def nft_vs_grpo(grpo: dict, nft: dict) -> str:
+def nft_vs_grpo(name: str, grpo: dict, nft: dict) -> str:
     """The issue's efficiency target: DiffusionNFT reaching Flow-GRPO's final held-out adherence in
-    at most a third of Flow-GRPO's wall time."""
+    at most a third of Flow-GRPO's time."""
     goal, budget = grpo["eval"][-1]["adherence"], grpo["eval"][-1]["time_s"] / 3
     reached = next((e for e in nft["eval"] if e["adherence"] >= goal), None)
     when = f"at {reached['time_s']:.0f} s (step {reached['step']})" if reached else "never"
     ok = reached is not None and reached["time_s"] <= budget
     return (
-        f"DiffusionNFT vs Flow-GRPO (dp4): Flow-GRPO's final held-out adherence {goal:.3f}; NFT reaches it "
-        f"{when}; a third of Flow-GRPO's time is {budget:.0f} s: target {'met' if ok else 'missed'}."
+        f"DiffusionNFT (nft-dp4) vs Flow-GRPO ({name}): Flow-GRPO's final held-out adherence {goal:.3f}; "
+        f"NFT reaches it {when}; a third of Flow-GRPO's time is {budget:.0f} s: target {'met' if ok else 'missed'}."
     )
 
 

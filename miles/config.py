@@ -272,7 +272,10 @@ class NFTConfig:
     """Old-policy soft update: decay = min(rate * (step - flat), max) after each rollout, 0 before
     ``old_decay_flat`` steps (the reference's decay_type 1: 0.001, 0.5, 0; type 2: 0.0075, 0.999, 75)."""
     old_decay_max: float = 0.5
+    """Old-policy soft update: the largest decay (``old_decay_rate``'s cap)."""
     old_decay_flat: int = 0
+    """Old-policy soft update: steps before the decay starts (until then the decay is 0: the old
+    policy is set to the trained one after each rollout)."""
     kl_beta: float = 0.0
     """Weight of mean((v - v_ref)^2) to the reference (initial) policy; 0 turns it off (the
     reference uses 1e-4 with LoRA)."""

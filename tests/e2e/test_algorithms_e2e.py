@@ -1,4 +1,4 @@
-"""DiffusionNFT and GRPO-Guard end to end through torchrun (4 CPU processes, tiny model; NFT on
+"""DiffusionNFT, GRPO-Guard and CPS end to end through torchrun (4 CPU processes, tiny model; NFT on
 the bands' recipe, whose sharpness reward is continuous).
 
 - DiffusionNFT at dp2 (2 processes) and at dp2 x sp2 (Ulysses, 4 processes) in deterministic
@@ -10,8 +10,10 @@ the bands' recipe, whose sharpness reward is continuous).
   pass. Measured within 2e-6 over 4 steps (fp32
   reduction order); levels drawn per micro-batch made ranks all-gather different experts'
   shards into each other, and the loss differed by ~0.5% at step 1.
-- GRPO-Guard at dp2 x sp2: its first step runs with the sampling weights, so its normalised ratio
-  is exactly 1 and the log-prob canary 0; the second step's ratio moves.
+- GRPO-Guard, and Flow-GRPO with CPS sampling, at dp2 x sp2: the first step runs with the
+  sampling weights, so the (normalised) ratio is exactly 1 and the log-prob canary 0 — the
+  training recompute under SP reproduces the rollout's log-probs bit for bit; the second step's
+  ratio moves.
 """
 
 from __future__ import annotations
@@ -68,8 +70,11 @@ def test_nft_dp_layouts_agree(tmp_path):
     _agree(dp4, sp)
 
 
-def test_grpo_guard_trains(tmp_path):
-    rows = _rows(_launch(tmp_path, "guard", "--algorithm.name", "grpo_guard", *SP2, "--train.no-export"))
+@pytest.mark.parametrize(
+    "flags", [["--algorithm.name", "grpo_guard"], ["--rollout.sde-type", "cps"]], ids=["guard", "cps"]
+)
+def test_sde_variants_train(tmp_path, flags):
+    rows = _rows(_launch(tmp_path, "run", *flags, *SP2, "--train.no-export"))
     firsts = [r for r in rows if "reward/mean" in r]
     assert [r["train/ratio"] for r in firsts] == [1.0, 1.0]
     assert all(r["train/log_prob_mean_abs_diff"] == 0.0 for r in firsts)

@@ -4,8 +4,8 @@ One launch of ``configs/world_cpu.yaml`` (the pretrained world pipeline, the ``w
 reward) at dp2 in deterministic mode: the held-out evaluation (8 prompts x 4 fixed seeds, ODE) runs
 at the start and at the end; ``python -m miles.eval`` on the run's export and on its last checkpoint
 must reproduce the trainer's final evaluation sample for sample. (to fp32 rounding). The learning claim itself (a
-rising held-out curve and a flat negative control) is the learning benchmark's (docs/learning.md),
-where it is not yet met.
+rising held-out curve and a falling negative control) is held by tests/e2e/test_learning.py and
+the learning benchmark (docs/learning.md).
 """
 
 from __future__ import annotations
