@@ -58,14 +58,10 @@ _TOP = {
 
 def _block_key(key: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
     """One OpenCLIP resblock tensor under its transformers name(s)."""
-    tower, rest = (
-        ("vision_model", key[len("visual.transformer.") :])
-        if key.startswith("visual.")
-        else (
-            "text_model",
-            key[len("transformer.") :],
-        )
-    )
+    if key.startswith("visual."):
+        tower, rest = "vision_model", key.removeprefix("visual.transformer.")
+    else:
+        tower, rest = "text_model", key.removeprefix("transformer.")
     _, layer, name = rest.split(".", 2)  # resblocks.N.name
     prefix = f"{tower}.encoder.layers.{layer}."
     if name.startswith("attn.in_proj_"):
