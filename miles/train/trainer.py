@@ -20,7 +20,6 @@ import resource
 import signal
 import time
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 
@@ -58,6 +57,7 @@ from miles.train.ema import EMA
 from miles.train.export import export_pipeline
 from miles.train.logging import MetricsLogger, print0
 from miles.train.old_policy import OldPolicy
+from miles.train.overlap import decode_and_score
 from miles.train.run_dir import check_run_dir, clear_run_dir
 
 
@@ -434,10 +434,6 @@ class Trainer:
         g2 = r.guidance_scale if r.guidance_scale_2 is None else r.guidance_scale_2
         return [r.guidance_scale, g2][: len(self.model.transformers)]
 
-    def _score_videos(self, videos: torch.Tensor, prompts: list[str]):
-        with torch.no_grad():  # grad mode is per thread: the worker starts with it on
-            return self.rewards(videos, prompts)
-
     def score(self, batch: dict) -> dict:
         """Decode and reward this rank's share of the micro-batches, then group-normalise.
 
@@ -451,25 +447,21 @@ class Trainer:
         n = batch["group_ids"].numel()
         local = torch.zeros(1 + len(self.rewards.names), n, device=self.device)
         videos, video_prompts, video_rewards = [], [], []
-        # One worker scores micro-batch k while this thread decodes k + 1 (a reward server's round
-        # trip, or a reward model, overlaps the VAE); results are placed by slice, so the same.
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="miles-reward") as pool:
-            pending = []
-            for c, chunk in enumerate(batch["chunks"]):
-                if c % sp != sp_rank:
-                    continue
-                sl = chunk["slice"]
-                with torch.no_grad():
-                    video = self.model.decode(chunk["rollout"].final_latents)
-                pending.append((sl, video, pool.submit(self._score_videos, video, batch["prompts"][sl])))
-            for sl, video, future in pending:
-                combined, per_reward = future.result()
-                local[:, sl] = torch.stack([combined, *(per_reward[k] for k in self.rewards.names)]).to(
-                    self.device
-                )
-                videos.append(video)
-                video_prompts += batch["prompts"][sl]
-                video_rewards += combined.tolist()
+        # A worker scores micro-batch k while this thread decodes k + 1 (miles.train.overlap).
+        mine = [chunk for c, chunk in enumerate(batch["chunks"]) if c % sp == sp_rank]
+        results = decode_and_score(
+            mine,
+            lambda chunk: self.model.decode(chunk["rollout"].final_latents),
+            lambda video, chunk: self.rewards(video, batch["prompts"][chunk["slice"]]),
+        )
+        for chunk, video, (combined, per_reward) in results:
+            sl = chunk["slice"]
+            local[:, sl] = torch.stack([combined, *(per_reward[k] for k in self.rewards.names)]).to(
+                self.device
+            )
+            videos.append(video)
+            video_prompts += batch["prompts"][sl]
+            video_rewards += combined.tolist()
         if sp > 1:
             dist.all_reduce(local, group=self.mesh.sp_group)
         gathered = [torch.empty_like(local) for _ in range(self.mesh.dp_size)]
