@@ -32,6 +32,7 @@ from torch import Tensor
 
 from miles.algorithms import register_algorithm
 from miles.algorithms.base import Algorithm, Policy
+from miles.rollout.condition import generated
 from miles.rollout.sampler import NUM_TRAIN_TIMESTEPS, flow_sigmas, predict_velocity
 
 _METRICS = ("loss", "policy_loss", "positive_loss", "negative_loss", "old_deviation", "kl")
@@ -103,6 +104,7 @@ class DiffusionNFT(Algorithm):
             policy.guidance_scales,
             policy.boundary_ratio,
             policy.expand_timesteps,
+            chunk.get("condition"),
         )
 
     def _draws(self, policy: Policy, batch: dict, chunk: dict, x0: Tensor) -> tuple[Tensor, list[Tensor]]:
@@ -134,16 +136,26 @@ class DiffusionNFT(Algorithm):
                 with torch.no_grad():
                     v_old = self._velocity(policy.old.transformers, policy, x_t, sigma, chunk)
                 v = self._velocity(policy.transformers, policy, x_t, sigma, chunk)
-                per_sample, pos, neg = nft_loss(v, v_old, x_t, x0, sigma, r, n.beta)
+                # a first-frame image condition's frame is clean: no loss on it
+                trained = generated(chunk.get("condition"), v, v_old, x_t, x0)
+                per_sample, pos, neg = nft_loss(*trained, sigma, r, n.beta)
                 policy_loss = a_max * per_sample.mean()
                 kl = torch.zeros((), device=x0.device)
                 if n.kl_beta > 0:
                     with torch.no_grad(), policy.reference() as reference:
                         v_ref = self._velocity(reference, policy, x_t, sigma, chunk)
-                    kl = ((v.float() - v_ref.float()) ** 2).mean()
+                    v_gen, v_ref = generated(chunk.get("condition"), v, v_ref)
+                    kl = ((v_gen.float() - v_ref.float()) ** 2).mean()
                 loss = policy_loss + n.kl_beta * kl
                 (loss * weight).backward()
-                values = (loss, policy_loss, pos.mean(), neg.mean(), ((v - v_old) ** 2).mean(), kl)
+                values = (
+                    loss,
+                    policy_loss,
+                    pos.mean(),
+                    neg.mean(),
+                    ((trained[0] - trained[1]) ** 2).mean(),
+                    kl,
+                )
                 for key, value in zip(_METRICS, values):
                     sums[key] += float(value.detach()) * weight
         return sums

@@ -79,6 +79,7 @@ class FlowGRPO(Algorithm):
             noise_level=self.rollout.noise_level,
             expand_timesteps=policy.expand_timesteps,
             sde_type=self.rollout.sde_type,
+            condition=chunk.get("condition"),
         )
 
     @torch.no_grad()

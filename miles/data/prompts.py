@@ -1,7 +1,9 @@
 """Prompt sets and the sampler that deals prompt groups to data-parallel ranks.
 
 ``load_prompts`` reads a ``.txt`` file (one prompt a line) or a ``.jsonl`` file (one object a
-line with a ``prompt`` key; the other keys are kept as metadata for rewards such as GenEval).
+line with a ``prompt`` key and, for image-to-video, an ``image`` path relative to the file; the
+other keys are kept as metadata for rewards such as GenEval). ``check_prompt_images`` opens
+every image before any rollout and names those missing or unreadable.
 ``truncation_warning`` counts the prompts the text encoder will see cut short, from the
 tokenizer alone.
 
@@ -36,6 +38,8 @@ class Prompt:
     text: str
     metadata: dict[str, Any] = field(default_factory=dict)
     """Every other key of a JSONL record (empty for .txt files)."""
+    image: Path | None = None
+    """The first frame to animate (JSONL ``image``, resolved against the prompt file's folder)."""
 
 
 def load_prompts(path: str | Path) -> list[Prompt]:
@@ -80,10 +84,53 @@ def load_prompts(path: str | Path) -> list[Prompt]:
         text = record.pop("prompt", None)
         if not isinstance(text, str) or not text.strip():
             raise ValueError(f"{path}:{lineno}: needs a non-empty string 'prompt' key")
-        prompts.append(Prompt(text, record))
+        image = record.pop("image", None)
+        if image is not None and (not isinstance(image, str) or not image.strip()):
+            raise ValueError(
+                f"{path}:{lineno}: 'image' must be a non-empty string (a path relative to the file)"
+            )
+        prompts.append(Prompt(text, record, path.parent / image if image else None))
     if not prompts:
         raise ValueError(f"{path}: no prompts in file; data.prompt_file needs at least one non-empty line")
     return prompts
+
+
+def check_prompt_images(prompts: Sequence[Prompt], source: str | Path, image_to_video: bool) -> None:
+    """Refuse (ValueError) what an image-to-video run cannot use, naming it: a prompt without an
+    ``image``, an image file that is missing or that PIL cannot read; and, for a text-to-video
+    model, a prompt file that gives images (they would be ignored)."""
+    from PIL import Image, UnidentifiedImageError
+
+    with_image = [p for p in prompts if p.image is not None]
+    if not image_to_video:
+        if with_image:
+            raise ValueError(
+                f"{source} gives images ({len(with_image)} of {len(prompts)} prompts) but the model is "
+                "text-to-video: use an image-to-video folder, or model.task i2v for a TI2V-5B folder"
+            )
+        return
+    problems = [f"'{p.text}' has no 'image'" for p in prompts if p.image is None]
+    for image in dict.fromkeys(p.image for p in with_image):
+        try:
+            with Image.open(image) as im:
+                im.verify()
+        except FileNotFoundError:
+            problems.append(f"{image}: no such file")
+        except (OSError, UnidentifiedImageError, SyntaxError) as e:
+            problems.append(f"{image}: not a readable image ({type(e).__name__}: {e})")
+    if problems:
+        shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+        raise ValueError(
+            f"{source}: an image-to-video model needs a readable image per prompt (JSONL 'image', a path "
+            f"relative to the prompt file): {shown}"
+        )
+
+
+def load_image(path: Path):
+    """The RGB PIL image at ``path``, EXIF orientation applied (diffusers' ``load_image``)."""
+    from diffusers.utils import load_image as diffusers_load_image
+
+    return diffusers_load_image(str(path))
 
 
 def count_truncated(texts: Sequence[str], tokenizer: Any, max_sequence_length: int) -> int:

@@ -79,7 +79,7 @@ def _parse(argv: list[str] | None) -> tuple[Config, Path, Path | None]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from miles.data.prompts import load_prompts
+    from miles.data.prompts import check_prompt_images, load_prompts
     from miles.eval.evaluate import eval_settings, evaluate, summarize, write_eval
     from miles.models.wan import load_wan
     from miles.rewards.from_config import build_configured_rewards
@@ -87,13 +87,16 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         cfg, out, checkpoint = _parse(argv)
-        prompts = [p.text for p in load_prompts(cfg.eval.prompt_file)]
+        held_out = load_prompts(cfg.eval.prompt_file)
+        prompts = [p.text for p in held_out]
         device = (
             torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else None
         )
         device = device or torch.device("cpu")
         rewards = EvalRewards(*build_configured_rewards(cfg.reward, device))
         model = load_wan(cfg.model, device)
+        image_to_video = model.condition_mode is not None
+        check_prompt_images(held_out, cfg.eval.prompt_file, image_to_video)  # image-to-video: an image each
         if checkpoint is not None:
             load_checkpoint_weights(model, checkpoint, cfg.model)
     except (ConfigError, ValueError, FileNotFoundError) as e:
@@ -119,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         dp_size=world,
         dp_group=dist.group.WORLD if world > 1 else None,
         keep_videos=rank == 0 and cfg.eval.log_videos,
+        images=[p.image for p in held_out] if image_to_video else None,
     )
     if rank == 0:
         paths = write_eval(result, out, "eval")

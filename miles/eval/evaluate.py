@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from miles.rollout.condition import conditions_of
 from miles.rollout.sampler import predict_velocity, sample_with_logprob
 
 _EVAL_STREAM = 4
@@ -42,6 +43,8 @@ class EvalSettings:
     micro_batch_size: int
     seed: int
     sampler: str = "rollout"
+    video_size: tuple[int, int, int] | None = None
+    """(num_frames, height, width) in pixels: the size image conditions are encoded at (I2V)."""
 
 
 def eval_settings(cfg, model) -> EvalSettings:
@@ -58,6 +61,7 @@ def eval_settings(cfg, model) -> EvalSettings:
         micro_batch_size=cfg.train.micro_batch_size,
         seed=cfg.run.seed,
         sampler=cfg.eval.sampler,
+        video_size=(r.num_frames, r.height, r.width),
     )
 
 
@@ -78,9 +82,14 @@ def sample_with_scheduler(
     neg: torch.Tensor | None,
     latents: torch.Tensor,
     settings: EvalSettings,
+    condition=None,
 ) -> torch.Tensor:
     """Denoise ``latents`` as ``WanPipeline`` does: the scheduler's own timesteps and steps, the
-    expert switch at ``boundary_ratio · 1000``, CFG per expert. Returns the clean latents (fp32)."""
+    expert switch at ``boundary_ratio · 1000``, CFG per expert. Returns the clean latents (fp32).
+
+    ``condition`` (``miles.rollout.condition.ImageCondition``): as ``WanImageToVideoPipeline``
+    does; a first-frame condition's frame is put back after every step (the pipeline puts it back
+    at the end: the same result, as no step mixes positions)."""
     import copy
 
     scheduler = copy.deepcopy(scheduler)  # its step index and solver history are per call
@@ -96,15 +105,17 @@ def sample_with_scheduler(
             settings.guidance_scales,
             settings.boundary_ratio,
             settings.expand_timesteps,
+            condition,
         )
         x = scheduler.step(v, t, x, return_dict=False)[0].float()
+        x = x if condition is None else condition.clean(x)
     return x
 
 
-def _sample(model, pos, neg, latents, settings: EvalSettings) -> torch.Tensor:
+def _sample(model, pos, neg, latents, settings: EvalSettings, condition=None) -> torch.Tensor:
     if settings.sampler == "pipeline":
         return sample_with_scheduler(
-            model.transformers, model.pipeline.scheduler, pos, neg, latents, settings
+            model.transformers, model.pipeline.scheduler, pos, neg, latents, settings, condition
         )
     return sample_with_logprob(
         model.transformers,
@@ -120,6 +131,7 @@ def _sample(model, pos, neg, latents, settings: EvalSettings) -> torch.Tensor:
         latents=latents,
         sde_steps=[],
         expand_timesteps=settings.expand_timesteps,
+        condition=condition,
     ).final_latents
 
 
@@ -137,12 +149,14 @@ def evaluate(
     dp_size: int = 1,
     dp_group=None,
     keep_videos: bool = True,
+    images: Sequence | None = None,
 ) -> dict:
     """Sample and score ``prompts`` x ``num_seeds`` (collective over the dp group when dp_size > 1).
 
     Returns ``scores`` (1 + len(rewards.names), N) on every rank — row 0 the weighted combination,
     then each reward — with ``prompts`` and ``seeds`` (N,) in sample order, and ``videos``: the
     decoded (F, 3, H, W) videos of the micro-batches this rank sampled, keyed by sample index.
+    ``images``: image-to-video, one image file per prompt (the first frame every seed animates).
     """
     if settings.sampler not in ("rollout", "pipeline"):
         raise ValueError(f"eval.sampler must be rollout or pipeline, got {settings.sampler!r}")
@@ -157,7 +171,12 @@ def evaluate(
         texts = [prompts[samples[j][0]] for j in idx]
         pos, neg = model.encode_prompts(texts, negative_prompt, max_sequence_length, device)
         noise = torch.stack([eval_noise(settings.latent_shape, settings.seed, *samples[j]) for j in idx])
-        final = _sample(model, pos, neg, noise.to(device), settings)
+        condition = None
+        if images is not None:
+            frames, height, width = settings.video_size
+            size = dict(num_frames=frames, height=height, width=width, device=device)
+            condition = conditions_of(model, [images[samples[j][0]] for j in idx], **size)
+        final = _sample(model, pos, neg, noise.to(device), settings, condition)
         video = model.decode(final)
         combined, per_reward = rewards(video, texts)
         rows = torch.stack([combined, *(per_reward[n] for n in rewards.names)]).double().cpu()

@@ -6,7 +6,10 @@ writes two ordinary diffusers Wan folders (safetensors) with fixed seeds:
 
 - ``two_expert/``: the Wan2.2 A14B layout — ``transformer`` (high noise), ``transformer_2``
   (low noise) and ``boundary_ratio`` in ``model_index.json``;
-- ``single_expert/``: the Wan2.1 layout — one ``transformer``.
+- ``single_expert/``: the Wan2.1 layout — one ``transformer``;
+
+and the image-to-video variants of ``miles.models.tiny_i2v`` (``i2v``, ``i2v_two_expert``,
+``ti2v``).
 
 Each has a UMT5 text encoder, a byte-level BPE tokenizer (built in code, reloads through
 ``AutoTokenizer``), an ``AutoencoderKLWan`` with Wan's 4x temporal / 8x spatial compression,
@@ -62,6 +65,7 @@ TINY_VAE = dict(
 )
 BOUNDARY_RATIO = 0.875
 VARIANTS = ("two_expert", "single_expert")
+ALL_VARIANTS = (*VARIANTS, "i2v", "i2v_two_expert", "ti2v")  # + miles.models.tiny_i2v.I2V_VARIANTS
 _SPECIAL_TOKENS = ["<pad>", "</s>", "<unk>"]
 
 
@@ -84,7 +88,11 @@ def build_tokenizer():
 
 
 def build_pipeline(variant: str = "two_expert"):
-    """Construct the tiny WanPipeline in memory with fixed seeds."""
+    """Construct the tiny WanPipeline (or an I2V variant's pipeline) in memory with fixed seeds."""
+    from miles.models.tiny_i2v import I2V_VARIANTS, build_i2v_pipeline
+
+    if variant in I2V_VARIANTS:
+        return build_i2v_pipeline(variant)
     from diffusers import (
         AutoencoderKLWan,
         FlowMatchEulerDiscreteScheduler,
@@ -121,9 +129,9 @@ def build_pipeline(variant: str = "two_expert"):
 
 
 def build_tiny_models(root: str | Path, force: bool = False) -> Path:
-    """Write both variants under ``root`` (atomically: a half-written folder never appears)."""
+    """Write every variant under ``root`` (atomically: a half-written folder never appears)."""
     root = Path(root)
-    for variant in VARIANTS:
+    for variant in ALL_VARIANTS:
         dest = root / variant
         if dest.is_dir() and (dest / "model_index.json").is_file() and not force:
             continue
@@ -141,8 +149,8 @@ def build_tiny_models(root: str | Path, force: bool = False) -> Path:
 
 def tiny_model_path(root: str | Path, variant: str) -> Path:
     """The folder of a tiny variant, building the tiny models first if they are missing."""
-    if variant not in VARIANTS:
-        raise ValueError(f"unknown tiny variant {variant!r}; choose one of {VARIANTS}")
+    if variant not in ALL_VARIANTS:
+        raise ValueError(f"unknown tiny variant {variant!r}; choose one of {ALL_VARIANTS}")
     build_tiny_models(root)
     return Path(root) / variant
 
@@ -150,4 +158,4 @@ def tiny_model_path(root: str | Path, variant: str) -> Path:
 if __name__ == "__main__":
     out = sys.argv[1] if len(sys.argv) > 1 else ".cache/tiny-wan"
     build_tiny_models(out, force="--force" in sys.argv)
-    print(f"tiny Wan pipelines written to {out}/{{{','.join(VARIANTS)}}}")
+    print(f"tiny Wan pipelines written to {out}/{{{','.join(ALL_VARIANTS)}}}")

@@ -2,7 +2,8 @@
 
 Covers Wan2.1 T2V (one expert), Wan2.2 TI2V-5B (one expert, 2-D timesteps) and Wan2.2 A14B
 (two experts: ``transformer`` for high noise, ``transformer_2`` for low noise, switched at
-``boundary_ratio``), and the embedded tiny model. The text encoder and VAE are frozen and
+``boundary_ratio``), their image-to-video forms (Wan2.1-I2V, Wan2.2-I2V-A14B, TI2V-5B's image
+mode: ``miles.models.i2v``, ``miles.rollout.condition``), and the embedded tiny models. The text encoder and VAE are frozen and
 replicated on every rank; only the transformer(s) are trained, sharded and sequence-parallel.
 """
 
@@ -31,6 +32,8 @@ class WanModel:
     boundary_ratio: float | None
     expand_timesteps: bool  # Wan2.2 TI2V: per-token (2-D) timesteps
     pipeline: object  # the diffusers WanPipeline (text encoder, tokenizer, VAE)
+    condition_mode: str | None = None  # image-to-video: "concat" or "first_frame" (miles.rollout.condition)
+    image_pipeline: object | None = None  # image-to-video: the WanImageToVideoPipeline sharing the modules
 
     @property
     def num_attention_heads(self) -> int:
@@ -38,7 +41,8 @@ class WanModel:
 
     @property
     def latent_channels(self) -> int:
-        return self.transformers[0].config.in_channels
+        # the denoised channels; an I2V transformer's in_channels also count the image condition
+        return self.transformers[0].config.out_channels
 
     def latent_shape(self, num_frames: int, height: int, width: int) -> tuple[int, int, int, int]:
         vae = self.pipeline.vae
@@ -69,6 +73,20 @@ class WanModel:
             device=device,
         )
         return pos, neg
+
+    @torch.no_grad()
+    def encode_images(self, images: list, num_frames: int, height: int, width: int, device):
+        """The image condition (``ImageCondition``) of PIL ``images``, one row each, each encoded
+        alone (batch 1, as the I2V pipeline encodes it)."""
+        from miles.rollout.condition import ImageCondition, encode_image_condition
+
+        if self.condition_mode is None:
+            raise ValueError(f"{self.path} is a text-to-video model: it takes no image")
+        size = dict(num_frames=num_frames, height=height, width=width, device=device)
+        parts = [
+            encode_image_condition(self.image_pipeline, im, self.condition_mode, **size) for im in images
+        ]
+        return ImageCondition.cat(parts)
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
@@ -119,10 +137,12 @@ def check_wan_folder(path: Path) -> dict:
 
 def load_wan(cfg: ModelConfig, device: torch.device) -> WanModel:
     """Load the pipeline from a local folder (hub never contacted), move it to ``device``."""
-    from diffusers import WanPipeline
+    from diffusers import WanImageToVideoPipeline, WanPipeline
+
+    from miles.models.i2v import condition_mode, text_pipeline
 
     path = resolve_model_path(cfg)
-    check_wan_folder(path)
+    mode = condition_mode(path, check_wan_folder(path), cfg.task)
     # dtypes at load time: diffusers keeps its fp32-sensitive modules (norms, rope) in fp32.
     # The transformers keep fp32 master weights; FSDP2 casts them to ``cfg.dtype`` for compute.
     dtypes = {
@@ -132,7 +152,14 @@ def load_wan(cfg: ModelConfig, device: torch.device) -> WanModel:
         "vae": DTYPES[cfg.vae_dtype],
         "default": torch.float32,
     }
-    pipe = WanPipeline.from_pretrained(path, local_files_only=True, dtype=dtypes)
+    image_pipe = None
+    if mode is None:
+        pipe = WanPipeline.from_pretrained(path, local_files_only=True, dtype=dtypes)
+    else:
+        image_pipe = WanImageToVideoPipeline.from_pretrained(path, local_files_only=True, dtype=dtypes)
+        if image_pipe.image_encoder is not None:
+            image_pipe.image_encoder.to(device).requires_grad_(False).eval()
+        pipe = text_pipeline(image_pipe)
     pipe.set_progress_bar_config(disable=True)
     pipe.text_encoder.to(device).requires_grad_(False).eval()
     pipe.vae.to(device).requires_grad_(False).eval()
@@ -145,6 +172,8 @@ def load_wan(cfg: ModelConfig, device: torch.device) -> WanModel:
         boundary_ratio=pipe.config.boundary_ratio if len(experts) == 2 else None,
         expand_timesteps=bool(getattr(pipe.config, "expand_timesteps", False)),
         pipeline=pipe,
+        condition_mode=mode,
+        image_pipeline=image_pipe,
     )
 
 

@@ -21,6 +21,11 @@ recompute equals the rollout's log-prob bit for bit (fp32, CPU).
 - Wan2.2 experts: ``transformers[0]`` (``transformer``, high noise) runs while
   t >= boundary_ratio·1000, ``transformers[1]`` (``transformer_2``) below — WanPipeline's rule.
 
+Image-to-video (``condition``, ``miles.rollout.condition``): the condition builds the model
+input (channel concatenation, or the clean first frame with per-token timestep 0) and carries
+the image embeddings; it is the same at every step. With a first-frame condition the sampler's
+state keeps that frame clean and the SDE steps (noise, mean, log-prob) cover the other frames.
+
 Randomness comes from one ``torch.Generator`` in a fixed order (SDE window, initial noise,
 then one draw per SDE step), so a rollout is a function of the generator's seed: ranks that
 must produce identical samples (sequence-parallel peers) seed their generators identically.
@@ -36,6 +41,7 @@ import torch
 from torch import Tensor, nn
 
 from miles.parallel.fsdp import compute_dtype
+from miles.rollout.condition import ImageCondition, generated
 from miles.rollout.sde import SDE_STEPS, ode_step
 
 NUM_TRAIN_TIMESTEPS = 1000
@@ -131,10 +137,13 @@ def predict_velocity(
     guidance_scales: float | Sequence[float],
     boundary_ratio: float | None,
     expand_timesteps: bool = False,
+    condition: ImageCondition | None = None,
 ) -> Tensor:
     """The routed, guided velocity at timestep ``t`` (0-dim tensor) for latents (B, C, F, H, W), fp32.
 
     ``expand_timesteps`` (Wan2.2 TI2V) gives the model one timestep per token, (B, S).
+    ``condition``: the image condition of image-to-video models (``miles.rollout.condition``):
+    it builds the model input and timestep and carries the image embeddings.
     """
     idx = expert_index(t, boundary_ratio, len(transformers))
     model = transformers[idx]
@@ -145,8 +154,9 @@ def predict_velocity(
     # timestep in fp32 (the model's sinusoidal embedding must see it unrounded).
     batch = latents.shape[0]
     dtype = compute_dtype(model)
-    x = latents.to(dtype)
+    x = (latents if condition is None else condition.model_input(latents)).to(dtype)
     context = prompt_embeds.to(dtype)
+    image = None if condition is None or condition.image_embeds is None else condition.image_embeds.to(dtype)
     if use_cfg:
         if negative_embeds.shape[0] == 1:
             negative_embeds = negative_embeds.expand(batch, *negative_embeds.shape[1:])
@@ -157,12 +167,18 @@ def predict_velocity(
             )
         x = torch.cat([x, x])  # (2B, C, F, H, W): [cond; uncond]
         context = torch.cat([context, negative_embeds.to(dtype)])
+        image = None if image is None else torch.cat([image, image])
     timestep = t.to(latents.device, torch.float32).expand(x.shape[0])
-    if expand_timesteps:
+    if condition is not None:
+        timestep = condition.timestep(timestep[0], x, model.config.patch_size, x.shape[0])
+    elif expand_timesteps:
         pt, ph, pw = model.config.patch_size
         _, _, f, h, w = x.shape
         timestep = timestep[:, None].expand(-1, (f // pt) * (h // ph) * (w // pw))
-    out = model(hidden_states=x, timestep=timestep, encoder_hidden_states=context, return_dict=False)[0]
+    extra = {} if image is None else {"encoder_hidden_states_image": image}  # Wan2.1-I2V only
+    out = model(
+        hidden_states=x, timestep=timestep, encoder_hidden_states=context, return_dict=False, **extra
+    )[0]
     out = out.float()
     if use_cfg:
         v_cond, v_uncond = out.chunk(2)
@@ -197,7 +213,8 @@ class Rollout:
     final_latents: Tensor
     """(B, C, F, H, W): the clean latent at σ = 0, for decoding and reward."""
     means: Tensor | None = None
-    """(B, K, C, F, H, W): the sampling policy's SDE mean of each step (``record_means``; GRPO-Guard)."""
+    """(B, K, C, F', H, W): the sampling policy's SDE mean of each step (``record_means``; GRPO-Guard);
+    F' = F − 1 with a first-frame image condition (only the generated frames are stepped)."""
 
     @property
     def num_sde_steps(self) -> int:
@@ -267,6 +284,7 @@ def sample_with_logprob(
     expand_timesteps: bool = False,
     sde_type: str = "sde",
     record_means: bool = False,
+    condition: ImageCondition | None = None,
 ) -> Rollout:
     """Denoise a batch from noise to σ = 0, recording the SDE steps.
 
@@ -286,6 +304,8 @@ def sample_with_logprob(
         expand_timesteps: per-token timesteps (Wan2.2 TI2V).
         sde_type: ``sde`` (Flow-GRPO's SDE) or ``cps`` (coefficients-preserving sampling).
         record_means: also keep each SDE step's mean (``Rollout.means``, for GRPO-Guard's ratio).
+        condition: the image condition (image-to-video), one row per sample. A first-frame
+            condition keeps the first latent frame clean: the steps and log-probs cover the rest.
     """
     if not 1 <= len(transformers) <= 2:
         raise ValueError(f"expected 1 or 2 transformers, got {len(transformers)}")
@@ -311,7 +331,7 @@ def sample_with_logprob(
         latents = initial_noise(
             batch, latent_shape, generator, group_size if same_noise_per_group else None, device=device
         )
-    x = latents.float()
+    x = latents.float() if condition is None else condition.clean(latents.float())
 
     rec_latents, rec_next, rec_logp, rec_mean = [], [], [], []
     sde_steps = set(steps)
@@ -325,17 +345,21 @@ def sample_with_logprob(
             guidance_scales,
             boundary_ratio,
             expand_timesteps,
+            condition,
         )
         if i in sde_steps:
-            step = sde_step(v, x, sigmas[i], sigmas[i + 1], noise_level, generator=generator)
+            step = sde_step(
+                *generated(condition, v, x), sigmas[i], sigmas[i + 1], noise_level, generator=generator
+            )
             rec_latents.append(x)
-            rec_next.append(step.prev_sample)
+            x = step.prev_sample if condition is None else condition.full(step.prev_sample)
+            rec_next.append(x)
             rec_logp.append(step.log_prob)
             if record_means:
                 rec_mean.append(step.mean)
-            x = step.prev_sample
         else:
             x = ode_step(v, x, sigmas[i], sigmas[i + 1])
+            x = x if condition is None else condition.clean(x)
 
     k_idx = torch.tensor(steps, dtype=torch.long, device=device)
     empty = x.new_empty(batch, 0, *x.shape[1:])
@@ -348,7 +372,9 @@ def sample_with_logprob(
         sigma_next=sigmas[k_idx + 1],
         step_indices=steps,
         final_latents=x,
-        means=(torch.stack(rec_mean, dim=1) if steps else empty.clone()) if record_means else None,
+        means=(torch.stack(rec_mean, dim=1) if steps else generated(condition, empty)[0].clone())
+        if record_means
+        else None,
     )
 
 
@@ -363,12 +389,14 @@ def compute_log_prob(
     noise_level: float,
     expand_timesteps: bool = False,
     sde_type: str = "sde",
+    condition: ImageCondition | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Log-prob (B,) of the stored ``next_latents[:, k]`` under the current weights, with the
     SDE mean (B, C, F, H, W) and std (B, 1, 1, 1, 1); differentiable through the transformer.
 
     ``prompt_embeds``/``negative_embeds`` must be the rollout's rows for the same samples
-    (use ``Rollout.select`` for micro-batches).
+    (use ``Rollout.select`` for micro-batches), and so must ``condition``. With a first-frame
+    condition the log-prob and mean cover the generated frames only.
     """
     v = predict_velocity(
         transformers,
@@ -379,13 +407,10 @@ def compute_log_prob(
         guidance_scales,
         boundary_ratio,
         expand_timesteps,
+        condition,
     )
+    v, latents, next_latents = generated(condition, v, rollout.latents[:, k], rollout.next_latents[:, k])
     step = _sde_step(sde_type)(
-        v,
-        rollout.latents[:, k],
-        rollout.sigmas[k],
-        rollout.sigma_next[k],
-        noise_level,
-        prev_sample=rollout.next_latents[:, k],
+        v, latents, rollout.sigmas[k], rollout.sigma_next[k], noise_level, prev_sample=next_latents
     )
     return step.log_prob, step.mean, step.std

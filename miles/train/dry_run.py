@@ -70,7 +70,13 @@ import torch
 from torch import nn
 
 from miles.config import Config, ConfigError, check_reward_names, config_warnings
-from miles.data.prompts import TINY_PROMPTS, GroupSampler, load_prompts, truncation_warning
+from miles.data.prompts import (
+    TINY_PROMPTS,
+    GroupSampler,
+    check_prompt_images,
+    load_prompts,
+    truncation_warning,
+)
 from miles.models.wan import DTYPES, WanModel, check_wan_folder, read_model_index, resolve_model_path
 from miles.parallel.compile import resolve_compile
 from miles.parallel.topology import ParallelDims, valid_ulysses_degrees
@@ -140,6 +146,13 @@ def _load_meta_model(cfg: Config) -> tuple[WanModel, dict, list[str]]:
         check_wan_folder(path)
     except ValueError as e:  # the dry run needs only configs; the real run needs every component
         warnings.append(f"the real run will refuse this folder: {e}")
+    from miles.models.i2v import check_i2v_run, condition_mode
+
+    try:
+        mode = condition_mode(path, index, cfg.model.task)
+        check_i2v_run(path, index, mode, cfg.data.max_sequence_length)
+    except ValueError as e:
+        raise DryRunError(str(e)) from None
     experts = []
     for sub in ("transformer", "transformer_2"):
         folder = path / sub
@@ -166,6 +179,7 @@ def _load_meta_model(cfg: Config) -> tuple[WanModel, dict, list[str]]:
         boundary_ratio=index.get("boundary_ratio") if len(experts) == 2 else None,
         expand_timesteps=bool(index.get("expand_timesteps", False)),
         pipeline=SimpleNamespace(vae=vae, text_encoder=text_encoder),
+        condition_mode=mode,
     )
     return model, index, warnings
 
@@ -185,7 +199,9 @@ def _check_rewards(cfg: Config) -> None:
     check_reward_config(cfg.reward)  # shaping options and every reward's local weights, loading nothing
 
 
-def _check_inputs(cfg: Config, dp: int, model_path: Path) -> tuple[str, list[str]]:
+def _check_inputs(
+    cfg: Config, dp: int, model_path: Path, image_to_video: bool = False
+) -> tuple[str, list[str]]:
     """The trainer's checks of run directory, prompt files and rewards; (a summary line, warnings).
 
     Also counts the prompts the text encoder will truncate, when the model folder has its tokenizer
@@ -197,6 +213,8 @@ def _check_inputs(cfg: Config, dp: int, model_path: Path) -> tuple[str, list[str
         check_run_dir(run_dir, cfg.train.resume, cfg.train.overwrite)
         prompts = load_prompts(prompt_file)
         held_out = load_prompts(cfg.eval.prompt_file) if cfg.eval.prompt_file else []
+        check_prompt_images(prompts, prompt_file, image_to_video)
+        check_prompt_images(held_out, cfg.eval.prompt_file, image_to_video)
         GroupSampler(len(prompts), cfg.data.prompts_per_rank, cfg.data.group_size, dp_rank=0, dp_size=dp)
         _check_rewards(cfg)
     except (ValueError, FileNotFoundError) as e:
@@ -359,7 +377,7 @@ def dry_run(
         check_ulysses_within_node(dims, local_world_size)
     except ValueError as e:
         raise DryRunError(f"invalid parallel layout: {e}") from None
-    inputs, input_warnings = _check_inputs(cfg, dims.dp, model.path)
+    inputs, input_warnings = _check_inputs(cfg, dims.dp, model.path, model.condition_mode is not None)
     warnings += input_warnings
     if local_world_size is None:
         node_note = (
@@ -498,6 +516,7 @@ def dry_run(
             "num_experts": len(model.transformers),
             "boundary_ratio": model.boundary_ratio,
             "expand_timesteps": model.expand_timesteps,
+            "image_condition": model.condition_mode,
             "num_attention_heads": heads,
             "attention_head_dim": tcfg.attention_head_dim,
             "hidden_size": D,
@@ -612,7 +631,8 @@ def format_report(rep: dict[str, Any]) -> str:
         f"model     {m['path']} ({m['pipeline']}: {experts})",
         f"          {m['num_attention_heads']} heads x {m['attention_head_dim']} = hidden {m['hidden_size']}, "
         f"{m['num_layers']} layers, ffn {m['ffn_dim']}, text_dim {m['text_dim']}, patch {tuple(m['patch_size'])}"
-        + (", per-token timesteps" if m["expand_timesteps"] else ""),
+        + (", per-token timesteps" if m["expand_timesteps"] else "")
+        + (f"; image-to-video ({m['image_condition']} image condition)" if m["image_condition"] else ""),
         f"world     {rep['world_size']} ranks ({rep['world_size_source']})",
         f"mesh      dp {mesh['dp']} x sp {mesh['sp']} (ulysses {mesh['ulysses']} x ring {mesh['ring']}); "
         f"ulysses {mesh['ulysses_note']}",

@@ -43,7 +43,7 @@ def export_pipeline(cfg: Config, model_path: Path, experts: list[nn.Module], out
 
 
 def _write(cfg: Config, model_path: Path, states: list[dict], out_dir: Path) -> None:
-    from diffusers import WanPipeline
+    from diffusers import DiffusionPipeline, WanPipeline
 
     from miles.models.wan import DTYPES
 
@@ -51,7 +51,8 @@ def _write(cfg: Config, model_path: Path, states: list[dict], out_dir: Path) -> 
     tmp = out_dir.with_name(out_dir.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    pipe = WanPipeline.from_pretrained(model_path, local_files_only=True, dtype=torch.float32)
+    # the folder's own pipeline class: an image-to-video folder keeps its image encoder
+    pipe = DiffusionPipeline.from_pretrained(model_path, local_files_only=True, dtype=torch.float32)
     for name, state in zip(EXPERT_NAMES, states):
         transformer = getattr(pipe, name)
         if cfg.model.lora_rank > 0:

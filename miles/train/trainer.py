@@ -31,10 +31,11 @@ from tqdm import tqdm
 
 from miles.algorithms import Policy, build_algorithm
 from miles.config import Config
-from miles.data.prompts import TINY_PROMPTS, GroupSampler, load_prompts
+from miles.data.prompts import TINY_PROMPTS, GroupSampler, check_prompt_images, load_prompts
 from miles.eval import evaluate, summarize, write_eval
 from miles.eval.evaluate import eval_settings, grid_caption
 from miles.grpo.advantages import group_advantages
+from miles.models.i2v import run_condition_mode
 from miles.models.wan import DTYPES, WanModel, calibrate_block_memory, load_wan
 from miles.parallel.checkpointing import checkpoint_modes, fixed_training_bytes
 from miles.parallel.compile import resolve_compile
@@ -43,6 +44,7 @@ from miles.parallel.topology import ParallelDims, build_parallel_mesh, resolve_u
 from miles.parallel.topology_checks import check_ulysses_within_node, local_world_size_from_env
 from miles.rewards.from_config import build_configured_rewards
 from miles.rewards.shaping import EvalRewards, shaped_reward
+from miles.rollout.condition import conditions_of
 from miles.rollout.sampler import sample_with_logprob
 from miles.sequence_parallel import apply_sequence_parallel, validate_sp_args
 from miles.train.checkpoint import (
@@ -122,9 +124,13 @@ class Trainer:
         check_run_dir(self.run_dir, cfg.train.resume, cfg.train.overwrite)
         # Everything that can be refused is checked before the model is moved or a rollout runs.
         self.prompts = load_prompts(cfg.data.prompt_file or TINY_PROMPTS)
-        self.eval_prompts = (
-            [p.text for p in load_prompts(cfg.eval.prompt_file)] if cfg.eval.prompt_file else []
-        )
+        held_out = load_prompts(cfg.eval.prompt_file) if cfg.eval.prompt_file else []
+        self.eval_prompts = [p.text for p in held_out]
+        # Image-to-video: every prompt's image is opened now, before any weights load.
+        image_to_video = run_condition_mode(cfg.model, cfg.data.max_sequence_length) is not None
+        check_prompt_images(self.prompts, cfg.data.prompt_file or TINY_PROMPTS, image_to_video)
+        check_prompt_images(held_out, cfg.eval.prompt_file, image_to_video)
+        self.eval_images = [p.image for p in held_out] if image_to_video else None
         self.rewards, self.gold_rewards = build_configured_rewards(cfg.reward, self.device)
         self.model: WanModel = load_wan(cfg.model, self.device)
         self.dims = self._parallel_dims()
@@ -343,6 +349,8 @@ class Trainer:
         sample_ids = [g * G + i % G for i, g in enumerate(groups.group_ids)]  # global sample index
         order = self._step_major_order(len(sample_ids))
         prompts = [self.prompts[groups.prompt_indices[i]].text for i in order]
+        images = [self.prompts[groups.prompt_indices[i]].image for i in order]
+        image_cache: dict = {}  # each group's image is encoded once per rollout
         group_list = [groups.group_ids[i] for i in order]
         sample_ids = [sample_ids[i] for i in order]
         group_ids = torch.as_tensor(group_list)
@@ -377,6 +385,12 @@ class Trainer:
                 pos, neg = self.model.encode_prompts(
                     prompts[sl], cfg.data.negative_prompt, cfg.data.max_sequence_length, self.device
                 )
+                condition = None
+                if self.model.condition_mode is not None:
+                    size = dict(num_frames=r.num_frames, height=r.height, width=r.width)
+                    condition = conditions_of(
+                        self.model, images[sl], **size, device=self.device, cache=image_cache
+                    )
                 ro = sample_with_logprob(
                     experts,
                     pos.to(dtype),
@@ -393,8 +407,10 @@ class Trainer:
                     expand_timesteps=self.model.expand_timesteps,
                     sde_type=r.sde_type,
                     record_means=self.algorithm.records_means,
+                    condition=condition,
                 )
-                chunks.append({"slice": sl, "pos": pos.to(dtype), "neg": neg.to(dtype), "rollout": ro})
+                chunk = {"slice": sl, "pos": pos.to(dtype), "neg": neg.to(dtype), "rollout": ro}
+                chunks.append({**chunk, "condition": condition})
         return {
             "prompts": prompts,
             "group_ids": group_ids,
@@ -704,6 +720,7 @@ class Trainer:
                 dp_size=self.mesh.dp_size,
                 dp_group=self.mesh.dp_group,
                 keep_videos=self.rank == 0 and cfg.eval.log_videos,
+                images=self.eval_images,
             )
         metrics = {
             **summarize(result),
