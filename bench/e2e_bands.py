@@ -3,6 +3,7 @@
     python bench/e2e_bands.py --out runs/bands                 # 5 bands, 5 rollouts (10 steps) each
     python bench/e2e_bands.py --out runs/bands --double-run    # + a second run per band, compared bitwise
     python bench/e2e_bands.py --out runs/bands_nft --double-run --algorithm diffusion_nft
+    python bench/e2e_bands.py --out runs/bands_cps --double-run -- --rollout.sde-type cps
 
 Reproduces the seed's E2E validation on CPU (4 gloo processes, ``configs/tiny_bands.yaml``: the
 tiny two-expert Wan, continuous ``sharpness`` reward, ``--deterministic-mode``). Bands:
@@ -93,6 +94,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--bands", default=",".join(b[0] for b in BANDS), help="comma-separated subset of bands")
     p.add_argument("--nproc", type=int, default=4)
+    p.add_argument("extra", nargs="*", help="further train_grpo.py flags for every band (after --)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per launch")
     args = p.parse_args(argv)
     known = {b[0] for b in BANDS}
@@ -130,6 +132,7 @@ def launch(
     ]  # fmt: skip
     if args.algorithm == "diffusion_nft":
         cmd += ["--rollout.guidance-scale", "1.0"]
+    cmd += args.extra
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
     for attempt in range(2):
         t0 = time.perf_counter()

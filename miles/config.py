@@ -158,12 +158,38 @@ class RolloutConfig:
 class RewardConfig:
     weights: dict[str, float] = dataclasses.field(default_factory=lambda: {"jpeg_incompressibility": 1.0})
     """Reward name -> weight; the combined reward is the weighted sum."""
+    normalize: dict[str, Literal["none", "group", "batch"]] = dataclasses.field(default_factory=dict)
+    """Per-reward normalisation before weighting (``--reward.normalize NAME MODE [NAME MODE ...]``, all pairs after one flag): ``group`` (r - mean) /
+    (std + 1e-4) within each prompt's group, ``batch`` over the whole rollout batch, ``none`` (the
+    default for unnamed rewards) raw; the trained reward is sum_i weight_i * norm_i(reward_i).
+    ``reward/<name>`` logs stay raw (miles.rewards.shaping)."""
+    gold: list[str] = dataclasses.field(default_factory=list)
+    """Rewards scored on held-out evaluation only, never trained on (logged as ``eval/<name>/mean``
+    beside the trained ones) to watch over-optimisation; built and checked before the first rollout."""
     pickscore_path: str | None = None
     """Local folder of a PickScore CLIP model (yuvalkirstain/PickScore_v1)."""
     pickscore_processor_path: str | None = None
     """Local folder of its processor (laion/CLIP-ViT-H-14-laion2B-s32B-b79K); None: pickscore_path."""
     num_frames: int = 4
     """Frames sampled uniformly from each video for frame-level rewards."""
+    clipscore_path: str | None = None
+    """``clipscore``: local folder of a transformers CLIP model + processor (openai/clip-vit-base-patch32)."""
+    hps_path: str | None = None
+    """``hpsv2``: HPS_v2.1_compressed.pt (xswu/HPSv2), or a folder holding it (an OpenCLIP checkpoint)."""
+    hps_processor_path: str | None = None
+    """``hpsv2``: local folder of laion/CLIP-ViT-H-14-laion2B-s32B-b79K (its config.json and processor)."""
+    aesthetic_clip_path: str | None = None
+    """``aesthetic``: local folder of openai/clip-vit-large-patch14 (model + processor)."""
+    videoalign_path: str | None = None
+    """``videoalign``: local save_pretrained folder of a Qwen2-VL reward model with ``rm_head`` (KwaiVGI/VideoReward)."""
+    videoalign_dimension: Literal["overall", "vq", "mq", "ta"] = "overall"
+    """``videoalign``: what it returns: standardised visual quality, motion quality, text alignment, or their sum."""
+    videoalign_num_frames: int = 8
+    """``videoalign``: frames per video fed to Qwen2-VL, sampled uniformly (paired by its temporal patch of 2)."""
+    videoalign_max_pixels: int = 448 * 448
+    """``videoalign``: frames are resized to a multiple of 28 within this many pixels (smart_resize)."""
+    aesthetic_head_path: str | None = None
+    """``aesthetic``: sac+logos+ava1-l14-linearMSE.pth (camenduru/improved-aesthetic-predictor), or its folder."""
     remote_url: str | None = None
     """``remote``: base URL of a reward server (start it first: ``python -m miles.rewards.serve``)."""
     remote_rewards: dict[str, float] | None = None
@@ -279,7 +305,7 @@ class EvalConfig:
     num_steps: int | None = None
     """Denoising steps; None: rollout.num_steps."""
     log_videos: bool = True
-    """Write a video grid of rank 0's evaluation samples (``<run>/eval/step_N.gif``) and log it."""
+    """Write a video grid of rank 0's evaluation samples (``<run>/eval/step_N.mp4``; GIF without an mp4 encoder) and log it."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -412,6 +438,13 @@ def validate(cfg: Config) -> None:
     for name, weight in cfg.reward.weights.items():
         if not math.isfinite(weight):
             raise ConfigError(f"reward.weights.{name} must be a finite number, got {weight}")
+    from miles.rewards.shaping import check_gold, check_normalize  # light: torch only
+
+    try:
+        check_normalize(cfg.reward.normalize, cfg.reward.weights)
+        check_gold(cfg.reward.gold, cfg.reward.weights)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def config_warnings(cfg: Config) -> list[str]:
@@ -419,6 +452,10 @@ def config_warnings(cfg: Config) -> list[str]:
     found = []
     if cfg.train.learning_rate == 0:
         found.append("learning rate 0: the weights will not change (train.learning_rate)")
+    if cfg.reward.gold and not cfg.eval.prompt_file:
+        found.append(
+            "reward.gold is scored in evaluation only, and eval.prompt_file is unset: it is never scored"
+        )
     return found
 
 
@@ -433,6 +470,9 @@ def check_reward_names(cfg: Config) -> None:
                 f"reward.weights names an unknown reward {name!r}; registered rewards: {known} "
                 "(set one with --reward.weights.NAME WEIGHT)"
             )
+    for name in cfg.reward.gold:
+        if name not in known:
+            raise ConfigError(f"reward.gold names an unknown reward {name!r}; registered rewards: {known}")
 
 
 # ---------------------------------------------------------------------------------------------

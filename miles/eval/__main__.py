@@ -10,7 +10,7 @@ The recipe gives the rollout settings (frames, size, steps, shift, CFG), the rew
 section (prompts, seeds, sampler); any field can be overridden as for ``train_grpo.py``. With
 ``--checkpoint`` the base model and LoRA settings come from the checkpoint's own config and its
 trained weights are loaded on top (no process group or trainer needed). Writes
-``OUT/eval.json`` (summary and every sample's scores) and ``OUT/eval.gif`` (the grid) and prints
+``OUT/eval.json`` (summary and every sample's scores) and ``OUT/eval.mp4`` (the grid; GIF without an mp4 encoder) and prints
 the summary. Sampling is the trainer's evaluation exactly (``miles.eval.evaluate``).
 """
 
@@ -82,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     from miles.data.prompts import check_prompt_images, load_prompts
     from miles.eval.evaluate import eval_settings, evaluate, summarize, write_eval
     from miles.models.wan import load_wan
-    from miles.rewards import build_rewards
+    from miles.rewards.from_config import build_configured_rewards
+    from miles.rewards.shaping import EvalRewards
 
     try:
         cfg, out, checkpoint = _parse(argv)
@@ -92,13 +93,7 @@ def main(argv: list[str] | None = None) -> int:
             torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else None
         )
         device = device or torch.device("cpu")
-        rewards = build_rewards(
-            cfg.reward.weights,
-            num_frames=cfg.reward.num_frames,
-            pickscore_path=cfg.reward.pickscore_path,
-            pickscore_processor_path=cfg.reward.pickscore_processor_path,
-            device=device,
-        )
+        rewards = EvalRewards(*build_configured_rewards(cfg.reward, device))
         model = load_wan(cfg.model, device)
         image_to_video = model.condition_mode is not None
         check_prompt_images(held_out, cfg.eval.prompt_file, image_to_video)  # image-to-video: an image each

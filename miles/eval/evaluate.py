@@ -208,10 +208,13 @@ def summarize(result: dict) -> dict[str, float]:
 
 def write_eval(result: dict, out_dir, tag: str) -> dict:
     """Write ``<out_dir>/<tag>.json`` (every sample's prompt, seed and scores, and the summary) and,
-    when videos were kept, ``<tag>.gif``: an animated grid of them (row-major in sample order)
-    with ``<tag>_grid.json`` naming each cell's prompt, seed and reward. Returns the paths."""
+    when videos were kept, ``<tag>.mp4`` (``<tag>.gif`` without an mp4 encoder): a grid of them
+    (row-major in sample order) with ``<tag>_grid.json`` naming each cell's prompt, seed and
+    scores. Returns the paths (``json``, ``video``)."""
     import json
     from pathlib import Path
+
+    from miles.train.videos import to_uint8, write_video
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -223,17 +226,27 @@ def write_eval(result: dict, out_dir, tag: str) -> dict:
     paths["json"].write_text(json.dumps({"summary": summarize(result), "samples": rows}, indent=1))
     if result["videos"]:
         order = sorted(result["videos"])
-        paths["gif"] = out_dir / f"{tag}.gif"
-        _grid_gif([result["videos"][i] for i in order], paths["gif"])
+        grid = _grid([result["videos"][i] for i in order])
+        paths["video"] = write_video(to_uint8(grid), out_dir / tag)
         cells = [{"cell": c, **rows[i]} for c, i in enumerate(order)]
         (out_dir / f"{tag}_grid.json").write_text(json.dumps(cells, indent=1))
     return paths
 
 
-def _grid_gif(videos: list[torch.Tensor], path, columns: int = 8) -> None:
-    """Videos (F, 3, H, W) in [0, 1] tiled into one animated GIF, 2-pixel white gutters."""
-    from PIL import Image
+def grid_caption(result: dict, title: str, max_cells: int = 16) -> str:
+    """``title`` and, cell by cell, each grid video's prompt, seed and scores (the wandb caption)."""
+    order = sorted(result["videos"])
+    lines = [title]
+    for c, i in enumerate(order[:max_cells]):
+        scores = " ".join(f"{n}={float(result['scores'][k, i]):.3f}" for k, n in enumerate(result["names"]))
+        lines.append(f"[{c}] {result['prompts'][i]} (seed {result['seeds'][i]}): {scores}")
+    if len(order) > max_cells:
+        lines.append(f"... {len(order) - max_cells} more cells in the _grid.json beside the video")
+    return "\n".join(lines)
 
+
+def _grid(videos: list[torch.Tensor], columns: int = 8) -> torch.Tensor:
+    """Videos (F, 3, H, W) in [0, 1] tiled into one (F, 3, H', W') video, 2-pixel white gutters."""
     f, _, h, w = videos[0].shape
     cols = min(columns, len(videos))
     rows = -(-len(videos) // cols)
@@ -241,6 +254,4 @@ def _grid_gif(videos: list[torch.Tensor], path, columns: int = 8) -> None:
     for k, v in enumerate(videos):
         r, c = divmod(k, cols)
         canvas[:, :, r * (h + 2) : r * (h + 2) + h, c * (w + 2) : c * (w + 2) + w] = v
-    frames = (canvas.permute(0, 2, 3, 1) * 255).round().clamp(0, 255).to(torch.uint8).numpy()
-    images = [Image.fromarray(fr) for fr in frames]
-    images[0].save(path, save_all=True, append_images=images[1:], duration=125, loop=0)
+    return canvas

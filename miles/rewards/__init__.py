@@ -5,20 +5,28 @@
     combined, per_reward = rewards(videos, prompts)  # videos (B, F, C, H, W) in [0, 1]
 
 Built in: ``jpeg_compressibility``, ``jpeg_incompressibility`` (DDPO), ``pickscore`` (flow_grpo),
-``sharpness`` (continuous, download-free).
+``sharpness`` (continuous, download-free), ``clipscore``, ``hpsv2`` (HPSv2.1), ``aesthetic`` (LAION),
+``videoalign`` (a Qwen2-VL video reward), ``remote`` (a reward server), ``vlm_judge`` (an OpenAI-compatible VLM), ``world_adherence``.
 """
 
+from miles.rewards.aesthetic import Aesthetic
 from miles.rewards.base import Reward, frames_to_uint8, sample_frame_indices
+from miles.rewards.clipscore import CLIPScore
+from miles.rewards.hpsv2 import HPSv2
 from miles.rewards.jpeg import JpegCompressibility, JpegIncompressibility
 from miles.rewards.pickscore import PickScore
 from miles.rewards.registry import MultiReward, build_rewards, register_reward, registered_rewards
 from miles.rewards.remote import RemoteReward, RemoteRewardError
 from miles.rewards.sharpness import Sharpness
 from miles.rewards.tiny_clip import tiny_clip
+from miles.rewards.videoalign import VideoAlign
 from miles.rewards.vlm_judge import VLMJudge
 from miles.rewards.world import WorldAdherence
 
 __all__ = [
+    "Aesthetic",
+    "CLIPScore",
+    "HPSv2",
     "JpegCompressibility",
     "JpegIncompressibility",
     "MultiReward",
@@ -27,6 +35,7 @@ __all__ = [
     "RemoteRewardError",
     "Reward",
     "Sharpness",
+    "VideoAlign",
     "VLMJudge",
     "WorldAdherence",
     "build_rewards",

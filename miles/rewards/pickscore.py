@@ -93,22 +93,8 @@ class PickScore(Reward):
         self.num_frames = check_num_frames(num_frames)
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype)
-        model_path = _check_folder(
-            pickscore_path,
-            "reward.pickscore_path",
-            "the PickScore CLIP model",
-            [("config.json",), _MODEL_FILES],
-        )
-        if pickscore_processor_path is None:
-            processor_key, processor_path = "reward.pickscore_path", model_path
-            what = (
-                "the CLIP processor (or set reward.pickscore_processor_path to a separate processor folder)"
-            )
-        else:
-            processor_key, processor_path = "reward.pickscore_processor_path", pickscore_processor_path
-            what = "the CLIP processor"
-        processor_path = _check_folder(
-            processor_path, processor_key, what, [_IMAGE_PROCESSOR_FILES, _TOKENIZER_FILES]
+        model_path, processor_key, processor_path = self.check_resources(
+            pickscore_path, pickscore_processor_path
         )
 
         from transformers import CLIPModel, CLIPProcessor  # deferred: importing transformers is slow
@@ -130,6 +116,32 @@ class PickScore(Reward):
         self.model = model.to(device=self.device, dtype=self.dtype).eval().requires_grad_(False)
         # Truncate prompts to what the text tower can embed (77 for CLIP).
         self.max_text_length = self.model.config.text_config.max_position_embeddings
+
+    @staticmethod
+    def check_resources(
+        pickscore_path: str | os.PathLike | None = None,
+        pickscore_processor_path: str | os.PathLike | None = None,
+        **_: object,
+    ) -> tuple[str, str, str]:
+        """Check the local folders (loading nothing): ``(model path, processor key, processor path)``."""
+        model_path = _check_folder(
+            pickscore_path,
+            "reward.pickscore_path",
+            "the PickScore CLIP model",
+            [("config.json",), _MODEL_FILES],
+        )
+        if pickscore_processor_path is None:
+            processor_key, processor_path = "reward.pickscore_path", model_path
+            what = (
+                "the CLIP processor (or set reward.pickscore_processor_path to a separate processor folder)"
+            )
+        else:
+            processor_key, processor_path = "reward.pickscore_processor_path", pickscore_processor_path
+            what = "the CLIP processor"
+        processor_path = _check_folder(
+            processor_path, processor_key, what, [_IMAGE_PROCESSOR_FILES, _TOKENIZER_FILES]
+        )
+        return model_path, processor_key, processor_path
 
     @torch.no_grad()
     def __call__(self, videos: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:

@@ -111,9 +111,27 @@ def build_rewards(specs: Mapping[str, float], **options: Any) -> MultiReward:
     if unknown:
         raise ValueError(f"unknown reward option(s) {unknown}; options the rewards take: {sorted(known)}")
 
+    check_resources(specs, **options)
     rewards: dict[str, Reward] = {}
     for name in specs:
         factory = _REGISTRY[name]
         accepted = _accepted_options(factory)
         rewards[name] = factory(**{k: v for k, v in options.items() if k in accepted})
     return MultiReward(rewards, {name: float(w) for name, w in specs.items()})
+
+
+def check_resources(names: Sequence[str] | Mapping[str, float], **options: Any) -> None:
+    """Run each named reward's ``check_resources(**its options)``, if it has one, loading nothing.
+
+    Rewards with weights to load define it as a static or class method that raises ``ValueError``
+    naming the folder to download when their local files are missing: the dry run and
+    ``build_rewards`` call it before any model is loaded.
+    """
+    for name in names:
+        if name not in _REGISTRY:
+            raise ValueError(f"unknown reward {name!r}; registered rewards: {registered_rewards()}")
+        factory = _REGISTRY[name]
+        check = getattr(factory, "check_resources", None)
+        if check is not None:
+            accepted = _accepted_options(factory)
+            check(**{k: v for k, v in options.items() if k in accepted})

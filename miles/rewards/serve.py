@@ -3,6 +3,8 @@
     python -m miles.rewards.serve --rewards world_adherence --port 8000
     python -m miles.rewards.serve --rewards pickscore,jpeg_incompressibility --port 8000 --host 0.0.0.0 \\
         --pickscore-path /ckpt/PickScore_v1 --device cuda:1 --dtype bfloat16 --num-frames 4
+    python -m miles.rewards.serve --rewards hpsv2,videoalign --reward-option hps_path=/ckpt/HPSv2 \
+        --reward-option hps_processor_path=/ckpt/CLIP-ViT-H-14 --reward-option videoalign_path=/ckpt/VideoReward
 
 The rewards are built once at startup with ``build_rewards`` (the same options the trainer's
 ``reward`` section takes, so start the server with the trainer's ``--num-frames``), then
@@ -35,6 +37,7 @@ from collections.abc import Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
+import yaml
 
 from miles.rewards.base import Reward
 from miles.rewards.registry import build_rewards
@@ -177,6 +180,13 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--pickscore-processor-path", default=None, help="local CLIP processor folder (pickscore)")
     p.add_argument("--device", default=None, help="device of reward models, e.g. cuda:1 (default: cpu)")
     p.add_argument("--dtype", default=None, help="dtype of reward models, e.g. bfloat16")
+    p.add_argument(
+        "--reward-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="any other reward option (a reward.* config field), e.g. hps_path=/ckpt/HPSv2 (YAML value)",
+    )
     p.add_argument("--cache-size", type=int, default=1024, help="answers kept for retried request ids")
     p.add_argument("--fault-drop-first", type=int, default=0, help="TEST ONLY: lose the first N answers")
     return p.parse_args(argv)
@@ -192,8 +202,15 @@ def main(argv: list[str] | None = None) -> int:
         "device": args.device,
         "dtype": args.dtype,
     }
+    options = {k: v for k, v in options.items() if v is not None}
+    for item in args.reward_option:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            print(f"error: --reward-option takes KEY=VALUE; got {item!r}", file=sys.stderr)
+            return 2
+        options[key.strip().replace("-", "_")] = yaml.safe_load(value)
     try:
-        mix = build_rewards({n: 1.0 for n in names}, **{k: v for k, v in options.items() if v is not None})
+        mix = build_rewards({n: 1.0 for n in names}, **options)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

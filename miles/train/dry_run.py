@@ -190,28 +190,14 @@ def _load_meta_model(cfg: Config) -> tuple[WanModel, dict, list[str]]:
 
 
 def _check_rewards(cfg: Config) -> None:
-    """What ``build_rewards`` refuses, without constructing a reward (PickScore would load CLIP-H)."""
+    """What building the rewards refuses, without constructing one (PickScore would load CLIP-H)."""
     check_reward_names(cfg)
     for name, weight in cfg.reward.weights.items():
         if not math.isfinite(weight):
             raise DryRunError(f"reward.weights.{name} must be a finite number, got {weight}")
-    if "pickscore" in cfg.reward.weights:
-        from miles.rewards import pickscore as ps
+    from miles.rewards.from_config import check_reward_config
 
-        model = ps._check_folder(
-            cfg.reward.pickscore_path,
-            "reward.pickscore_path",
-            "the PickScore CLIP model",
-            [("config.json",), ps._MODEL_FILES],
-        )
-        processor = cfg.reward.pickscore_processor_path
-        key = "reward.pickscore_processor_path" if processor is not None else "reward.pickscore_path"
-        ps._check_folder(
-            model if processor is None else processor,
-            key,
-            "the CLIP processor",
-            [ps._IMAGE_PROCESSOR_FILES, ps._TOKENIZER_FILES],
-        )
+    check_reward_config(cfg.reward)  # shaping options and every reward's local weights, loading nothing
 
 
 def _check_inputs(

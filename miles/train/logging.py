@@ -132,19 +132,17 @@ class MetricsLogger:
             self._wandb.log({k: v for k, v in row.items() if k not in ("step", "time")}, step=step)
 
     def log_videos(self, videos: torch.Tensor, prompts: list[str], rewards: list[float], step: int) -> None:
-        """Videos (B, F, 3, H, W) in [0, 1] as GIFs in the run directory and in wandb."""
+        """Videos (B, F, 3, H, W) in [0, 1] as mp4 files (GIF without an encoder) under
+        ``samples/step_N`` with ``captions.json`` (prompt and reward of each), and in wandb."""
         if not self.enabled:
             return
-        from PIL import Image
+        from miles.train.videos import to_uint8, write_video
 
         out_dir = self.run_dir / "samples" / f"step_{step:06d}"
         out_dir.mkdir(parents=True, exist_ok=True)
         entries = []
         for i, (video, prompt, reward) in enumerate(zip(videos, prompts, rewards)):
-            frames = (video.permute(0, 2, 3, 1).cpu().numpy() * 255).round().astype(np.uint8)
-            images = [Image.fromarray(f) for f in frames]
-            path = out_dir / f"{i:02d}.gif"
-            images[0].save(path, save_all=True, append_images=images[1:], duration=125, loop=0)
+            path = write_video(to_uint8(video), out_dir / f"{i:02d}")
             entries.append((path, prompt, reward))
         with open(out_dir / "captions.json", "w") as f:
             json.dump([{"file": p.name, "prompt": pr, "reward": r} for p, pr, r in entries], f, indent=1)

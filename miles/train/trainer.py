@@ -36,7 +36,7 @@ from miles.algorithms import Policy, build_algorithm
 from miles.config import Config
 from miles.data.prompts import TINY_PROMPTS, GroupSampler, check_prompt_images, load_prompts
 from miles.eval import evaluate, summarize, write_eval
-from miles.eval.evaluate import eval_settings
+from miles.eval.evaluate import eval_settings, grid_caption
 from miles.grpo.advantages import group_advantages
 from miles.models.i2v import run_condition_mode
 from miles.models.wan import (
@@ -53,7 +53,8 @@ from miles.parallel.compile import resolve_compile
 from miles.parallel.fsdp import apply_fsdp, unsharded_for_rollout
 from miles.parallel.topology import ParallelDims, build_parallel_mesh, resolve_ulysses_degree
 from miles.parallel.topology_checks import check_ulysses_within_node, local_world_size_from_env
-from miles.rewards import build_rewards
+from miles.rewards.from_config import build_configured_rewards
+from miles.rewards.shaping import EvalRewards, shaped_reward
 from miles.rollout.condition import conditions_of
 from miles.rollout.sampler import sample_with_logprob
 from miles.sequence_parallel import apply_sequence_parallel, validate_sp_args
@@ -70,6 +71,7 @@ from miles.train.ema import EMA
 from miles.train.export import export_pipeline
 from miles.train.logging import MetricsLogger, configure_library_progress, print0, show_progress
 from miles.train.old_policy import OldPolicy
+from miles.train.overlap import decode_and_score
 from miles.train.resume import resume_checkpoint
 from miles.train.run_dir import check_run_dir, clear_run_dir
 from miles.train.stop import GracefulStop, StopRequested, maybe_inject_signal
@@ -248,13 +250,7 @@ class Trainer:
             f"[miles] loaded {len(self.prompts)} prompts from {cfg.data.prompt_file or 'the built-in list'}"
             + held_out
         )
-        self.rewards = build_rewards(
-            cfg.reward.weights,
-            num_frames=cfg.reward.num_frames,
-            pickscore_path=cfg.reward.pickscore_path,
-            pickscore_processor_path=cfg.reward.pickscore_processor_path,
-            device=self.device,
-        )
+        self.rewards, self.gold_rewards = build_configured_rewards(cfg.reward, self.device)
 
     def _check_layout(self) -> None:
         """dp x sp, Ulysses x ring, the attention backend: from the config and the model folder's
@@ -515,13 +511,15 @@ class Trainer:
         n = batch["group_ids"].numel()
         local = torch.zeros(1 + len(self.rewards.names), n, device=self.device)
         videos, video_prompts, video_rewards = [], [], []
-        for c, chunk in enumerate(batch["chunks"]):
-            if c % sp != sp_rank:
-                continue
+        # A worker scores micro-batch k while this thread decodes k + 1 (miles.train.overlap).
+        mine = [chunk for c, chunk in enumerate(batch["chunks"]) if c % sp == sp_rank]
+        results = decode_and_score(
+            mine,
+            lambda chunk: self.model.decode(chunk["rollout"].final_latents),
+            lambda video, chunk: self.rewards(video, batch["prompts"][chunk["slice"]]),
+        )
+        for chunk, video, (combined, per_reward) in results:
             sl = chunk["slice"]
-            with torch.no_grad():
-                video = self.model.decode(chunk["rollout"].final_latents)
-            combined, per_reward = self.rewards(video, batch["prompts"][sl])
             local[:, sl] = torch.stack([combined, *(per_reward[k] for k in self.rewards.names)]).to(
                 self.device
             )
@@ -537,8 +535,14 @@ class Trainer:
         ids = [torch.empty_like(local_ids) for _ in range(self.mesh.dp_size)]
         dist.all_gather(ids, local_ids, group=self.mesh.dp_group)
         n = batch["group_ids"].numel()
+        per_reward_all = {name: everything[1 + i] for i, name in enumerate(self.rewards.names)}
+        trained = everything[0]
+        if any(mode != "none" for mode in self.cfg.reward.normalize.values()):
+            trained = shaped_reward(
+                per_reward_all, self.rewards.weights, self.cfg.reward.normalize, torch.cat(ids)
+            )
         advantages = group_advantages(
-            everything[0],
+            trained,
             torch.cat(ids),
             global_std=self.cfg.grpo.global_std,
             adv_clip_max=self.cfg.grpo.adv_clip_max,
@@ -552,7 +556,8 @@ class Trainer:
             video_rewards=video_rewards,
             advantages=advantages[mine].to(self.device),
             reward_all=everything[0],
-            per_reward_all={name: everything[1 + i] for i, name in enumerate(self.rewards.names)},
+            shaped_all=trained,
+            per_reward_all=per_reward_all,
             advantages_all=advantages,
         )
         if not torch.isfinite(everything).all():
@@ -777,7 +782,7 @@ class Trainer:
 
     def evaluate(self) -> None:
         """Sample the held-out prompts deterministically, score them with every reward, log
-        ``eval/<reward>/mean`` (``eval.jsonl``, wandb) and write ``<run>/eval/step_N.{json,gif}``."""
+        ``eval/<reward>/mean`` (``eval.jsonl``, wandb) and write ``<run>/eval/step_N.{json,mp4}``."""
         cfg = self.cfg
         if not self.eval_prompts:
             return
@@ -793,7 +798,7 @@ class Trainer:
         ):
             result = evaluate(
                 self.model,
-                self.rewards,
+                EvalRewards(self.rewards, self.gold_rewards),
                 self.eval_prompts,
                 cfg.eval.num_seeds,
                 settings,
@@ -811,10 +816,11 @@ class Trainer:
             "rollout": self.rollout_index,
             "time/eval_s": time.perf_counter() - t0,
         }
-        grid = None
+        grid, caption = None, ""
         if self.rank == 0:
-            grid = write_eval(result, self.run_dir / "eval", f"step_{self.step:06d}").get("gif")
-        self.logger.log_eval(metrics, step=self.step, grid=grid, caption=f"held-out, step {self.step}")
+            grid = write_eval(result, self.run_dir / "eval", f"step_{self.step:06d}").get("video")
+            caption = grid_caption(result, f"held-out, step {self.step}") if grid else ""
+        self.logger.log_eval(metrics, step=self.step, grid=grid, caption=caption)
         self._eval_step = self.step
         print0(
             f"[eval] step {self.step}: "
@@ -854,6 +860,9 @@ class Trainer:
             "memory/peak_gib": peak_memory_gib(self.device),
             **{f"train/{k}": v for k, v in after.items()},
         }
+        if batch["shaped_all"] is not batch["reward_all"]:  # reward.normalize: what advantages see
+            metrics["reward/shaped/mean"] = batch["shaped_all"].mean()
+            metrics["reward/shaped/std"] = batch["shaped_all"].std()
         for name, values in batch["per_reward_all"].items():
             metrics[f"reward/{name}/mean"] = values.mean()
             metrics[f"reward/{name}/std"] = values.std()

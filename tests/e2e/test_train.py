@@ -130,9 +130,9 @@ def test_training_logs_every_metric(tmp_path, name, flags):
         assert approx[0] == approx[2] == 0.0 and approx[1] > 0 and approx[3] > 0, approx
     assert list((run / "wandb").glob("offline-run-*")), "no offline wandb run"
     if name == "dp2sp2":
-        gifs = sorted((run / "samples").rglob("*.gif"))
+        videos = sorted((run / "samples").rglob("*.mp4"))
         # rank 0 decodes every sp-th (2nd) micro-batch of its 8 samples: 2 of 4 micro-batches of 2
-        assert len(gifs) == 2 * 4
-        captions = json.loads((gifs[0].parent / "captions.json").read_text())
+        assert len(videos) == 2 * 4
+        captions = json.loads((videos[0].parent / "captions.json").read_text())
         assert captions[0]["prompt"] and isinstance(captions[0]["reward"], float)
         assert (run / "export" / "pipeline" / "transformer_2" / "config.json").is_file()

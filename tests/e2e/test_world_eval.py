@@ -30,6 +30,13 @@ FLAGS = [
     str(NUM_ROLLOUTS),
     "--eval.every",
     "0",
+    # reward shaping through torchrun: a gold reward scored in evaluation only, and the trained
+    # reward group-normalised before weighting
+    "--reward.gold",
+    "sharpness",
+    "--reward.normalize",
+    "world_adherence",
+    "group",
 ]
 
 
@@ -59,6 +66,12 @@ def test_heldout_evaluation_at_start_and_end(runs):
     assert [e["step"] for e in evals] == [0, 2 * NUM_ROLLOUTS]  # baseline and end
     for e in evals:
         assert 0.0 < e[REWARD] < 1.0 and e["eval/world_adherence/std"] > 0  # objects, not noise
+        assert e["eval/reward/mean"] == e[REWARD]  # the gold reward is not in the trained sum
+        assert e["eval/sharpness/mean"] > 0 and e["eval/sharpness/mean"] != e[REWARD]
+    rows = [json.loads(line) for line in (runs["grpo"] / "metrics.jsonl").read_text().splitlines()]
+    first = [r for r in rows if "reward/mean" in r]
+    assert first and all("reward/sharpness/mean" not in r for r in rows)  # never scored in training
+    assert all(abs(r["reward/shaped/mean"]) < 1e-6 for r in first)  # group-normalised: mean 0
     grid = runs["grpo"] / "eval" / "step_000000_grid.json"
     assert len(json.loads(grid.read_text())) == 16  # dp2: rank 0 samples every other micro-batch of 32
 
@@ -82,4 +95,4 @@ def test_standalone_eval_equals_the_trainers_final_eval(runs, tmp_path, source):
     assert [(g["prompt"], g["seed"]) for g in got] == [(w["prompt"], w["seed"]) for w in want]
     for g, w in zip(got, want):
         assert g["world_adherence"] == pytest.approx(w["world_adherence"], abs=1e-5), (g, w)
-    assert (tmp_path / "eval.gif").is_file()
+    assert (tmp_path / "eval.mp4").is_file()

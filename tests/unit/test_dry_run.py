@@ -338,6 +338,11 @@ def _dry_input_case(tmp_path: Path, case: str) -> tuple[list[str], str]:
         return ["--reward.weights.sharpnes", "1"], "reward.weights names an unknown reward 'sharpnes'"
     if case == "reward_without_its_model":
         return ["--reward.weights.pickscore", "1"], "set reward.pickscore_path to a local folder"
+    if case == "gold_reward_without_its_weights":
+        flags = ["--reward.gold", "hpsv2", "--reward.hps-processor-path", str(tmp_path)]
+        return flags, "set reward.hps_path to a local file or folder: download HPS_v2.1_compressed.pt"
+    if case == "normalize_an_untrained_reward":
+        return ["--reward.normalize", "sharpness", "group"], "reward.normalize names 'sharpness'"
     if case == "run_output_dir_is_a_file":
         (tmp_path / "f").write_text("")
         return ["--run.output-dir", str(tmp_path / "f")], f"{tmp_path}/f is a file, so the run directory"
@@ -365,6 +370,8 @@ def _dry_input_case(tmp_path: Path, case: str) -> tuple[list[str], str]:
         "fewer_prompts_than_a_rollout",
         "unknown_reward",
         "reward_without_its_model",
+        "gold_reward_without_its_weights",
+        "normalize_an_untrained_reward",
         "run_output_dir_is_a_file",
         "no_resume_into_a_previous_run",
         "clip_range_0",

@@ -99,7 +99,7 @@ def test_evaluate_is_a_function_of_prompt_and_seed(model, tmp_path):
     )
     assert not torch.equal(rollout["scores"], a["scores"])  # the two samplers differ (grids)
     paths = write_eval(a, tmp_path, "step_000000")
-    assert paths["json"].is_file() and paths["gif"].is_file()
+    assert paths["json"].is_file() and paths["video"].is_file() and paths["video"].suffix == ".mp4"
     assert summarize(a)["eval/reward/mean"] == pytest.approx(float(a["scores"][0].mean()))
     with pytest.raises(ValueError, match="eval.sampler"):
         evaluate(model, rewards, PROMPTS, 1, EvalSettings(**{**settings.__dict__, "sampler": "x"}), **args)

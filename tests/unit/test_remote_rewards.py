@@ -197,6 +197,44 @@ def test_server_killed_between_batches_then_restarted() -> None:
         server.kill()
 
 
+def test_server_killed_mid_call_and_restarted_while_the_client_retries() -> None:
+    """One scoring call of 4 requests: the server dies after the second answer and comes back on
+    the same port while the client is retrying the third; the call completes, bitwise."""
+    server = start_server()
+    box = {"server": server}
+    try:
+        options = dict(remote_retries=8, remote_backoff_s=0.25, remote_timeout_s=30.0, remote_batch_size=1)
+        remote = build_rewards({"remote": 1.0}, remote_url=server.url, remote_rewards=MIX, **options)
+        client = remote.rewards["remote"]
+        videos, prompts = world_batch(4)
+        videos = quantized(videos)
+        want, _ = build_rewards(MIX)(videos, prompts)
+        score_batch, answered = client._score_batch, []
+
+        def restart() -> None:
+            box["server"] = start_server(port=server.port)
+
+        def kill_after_two(frames, batch_prompts):
+            out = score_batch(frames, batch_prompts)
+            answered.append(len(batch_prompts))
+            if len(answered) == 2:
+                server.kill()
+                box["thread"] = threading.Thread(target=restart)
+                box["thread"].start()
+            return out
+
+        client._score_batch = kill_after_two
+        got, _ = remote(videos, prompts)
+        box["thread"].join()
+        assert_bitwise(got, want)
+        assert client.stats()["num_retries"] >= 1 and client.stats()["num_samples"] == 4
+        assert box["server"].stats()["num_scored_samples"] == 2  # the restarted server scored the rest
+    finally:
+        if "thread" in box:
+            box["thread"].join()
+        box["server"].kill()
+
+
 def test_lost_answers_are_retried_and_each_sample_scored_once() -> None:
     server = start_server("--fault-drop-first", "2")
     try:

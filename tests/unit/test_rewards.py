@@ -124,8 +124,8 @@ def test_multireward_is_the_weighted_sum(mean_intensity_reward):
 
 
 def test_unknown_reward_lists_registered_names():
-    with pytest.raises(ValueError, match="unknown reward 'aesthetic'") as e:
-        build_rewards({"aesthetic": 1.0})
+    with pytest.raises(ValueError, match="unknown reward 'imagereward'") as e:
+        build_rewards({"imagereward": 1.0})
     for name in ["jpeg_compressibility", "jpeg_incompressibility", "pickscore"]:
         assert name in str(e.value)
     assert {"jpeg_compressibility", "jpeg_incompressibility", "pickscore"} <= set(registered_rewards())
