@@ -17,6 +17,7 @@ from miles.rewards.sharpness import Sharpness
 from miles.rewards.tiny_clip import tiny_clip
 from miles.rewards.vlm_judge import VLMJudge
 from miles.rewards.world import WorldAdherence
+from miles.rewards.world_i2v import WorldI2V
 
 __all__ = [
     "JpegCompressibility",
@@ -29,6 +30,7 @@ __all__ = [
     "Sharpness",
     "VLMJudge",
     "WorldAdherence",
+    "WorldI2V",
     "build_rewards",
     "frames_to_uint8",
     "register_reward",

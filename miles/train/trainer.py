@@ -136,6 +136,11 @@ class Trainer:
             pickscore_processor_path=cfg.reward.pickscore_processor_path,
             device=self.device,
         )
+        if self.rewards.needs_images and not image_to_video:
+            raise ValueError(
+                f"reward.weights {sorted(cfg.reward.weights)}: a reward scores against each sample's given "
+                "first frame, but the model is text-to-video; use an image-to-video model (model.task i2v)"
+            )
         self.model: WanModel = load_wan(cfg.model, self.device)
         self.dims = self._parallel_dims()
         check_ulysses_within_node(self.dims, local_world_size_from_env())
@@ -417,6 +422,7 @@ class Trainer:
                 chunks.append({**chunk, "condition": condition})
         return {
             "prompts": prompts,
+            "images": images,  # each sample's first frame (None for text-to-video)
             "group_ids": group_ids,
             "sample_ids": torch.as_tensor(sample_ids),
             "rollout_index": self.rollout_index,
@@ -473,7 +479,8 @@ class Trainer:
             sl = chunk["slice"]
             with torch.no_grad():
                 video = self.model.decode(chunk["rollout"].final_latents)
-            combined, per_reward = self.rewards(video, batch["prompts"][sl])
+            images = batch["images"][sl] if self.model.condition_mode is not None else None
+            combined, per_reward = self.rewards(video, batch["prompts"][sl], images)
             local[:, sl] = torch.stack([combined, *(per_reward[k] for k in self.rewards.names)]).to(
                 self.device
             )
