@@ -179,7 +179,8 @@ def evaluate(
             condition = conditions_of(model, chunk_images, **size)
         final = _sample(model, pos, neg, noise.to(device), settings, condition)
         video = model.decode(final)
-        combined, per_reward = rewards(video, texts, chunk_images)
+        scored = (video, texts) if chunk_images is None else (video, texts, chunk_images)
+        combined, per_reward = rewards(*scored)
         rows = torch.stack([combined, *(per_reward[n] for n in rewards.names)]).double().cpu()
         scores[:, idx] = rows
         if keep_videos:

@@ -479,8 +479,10 @@ class Trainer:
             sl = chunk["slice"]
             with torch.no_grad():
                 video = self.model.decode(chunk["rollout"].final_latents)
-            images = batch["images"][sl] if self.model.condition_mode is not None else None
-            combined, per_reward = self.rewards(video, batch["prompts"][sl], images)
+            scored = (video, batch["prompts"][sl])
+            if self.model.condition_mode is not None:  # image-to-video: rewards may check the given frame
+                scored += (batch["images"][sl],)
+            combined, per_reward = self.rewards(*scored)
             local[:, sl] = torch.stack([combined, *(per_reward[k] for k in self.rewards.names)]).to(
                 self.device
             )
