@@ -338,6 +338,8 @@ def _dry_input_case(tmp_path: Path, case: str) -> tuple[list[str], str]:
         return ["--reward.weights.sharpnes", "1"], "reward.weights names an unknown reward 'sharpnes'"
     if case == "reward_without_its_model":
         return ["--reward.weights.pickscore", "1"], "set reward.pickscore_path to a local folder"
+    if case == "image_reward_for_text_model":
+        return ["--reward.weights.world_i2v", "1"], "given first frame, but the model is text-to-video"
     if case == "run_output_dir_is_a_file":
         (tmp_path / "f").write_text("")
         return ["--run.output-dir", str(tmp_path / "f")], f"{tmp_path}/f is a file, so the run directory"
@@ -359,6 +361,7 @@ def _dry_input_case(tmp_path: Path, case: str) -> tuple[list[str], str]:
         "fewer_prompts_than_a_rollout",
         "unknown_reward",
         "reward_without_its_model",
+        "image_reward_for_text_model",
         "run_output_dir_is_a_file",
         "no_resume_into_a_previous_run",
         "clip_range_0",
