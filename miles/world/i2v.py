@@ -8,8 +8,9 @@ of it: ``{"prompt": "a big red ball moving left", "image": "images/train_00.png"
 The image fixes the ball's colour, size and start; the text says the motion (and repeats colour
 and size, as the T2V prior was captioned). The splits are the world's Latin-square split
 (``miles.world.world``): the 24 training triples with ``NUM_TRAIN_IMAGES`` images each (48
-prompts) and the 8 held-out triples with ``NUM_HELDOUT_IMAGES`` each (16), from render seeds
-disjoint from each other and from pretraining's (``seed_offset`` 0 and 1000 there).
+prompts) and the 8 held-out triples with ``NUM_HELDOUT_IMAGES`` each (16), every image its own
+render seed. The held-out seeds (20000 on) are disjoint from pretraining's (prior 0-47, VAE pool
+10000-10015, training triples only); some training images are frames of the VAE pool's renders.
 
 **Model.** ``build_i2v_world`` writes a Wan2.2-TI2V-style folder (a ``WanPipeline`` with
 ``expand_timesteps: true``, run with ``model.task: i2v``: the first latent frame is the encoded
