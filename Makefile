@@ -8,7 +8,7 @@ TINY_DIR ?= .cache/tiny-wan
 NPROC ?= 4
 TORCHRUN := $(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC)
 
-.PHONY: setup lint format test test-fast e2e e2e-random e2e-gpu e2e-bands tiny-model world-model bench bench-learning clean
+.PHONY: setup lint format test test-fast e2e e2e-random e2e-gpu e2e-bands tiny-model world-model world-i2v-model bench bench-learning clean
 
 setup: $(STAMP)
 
@@ -51,6 +51,11 @@ e2e: setup
 e2e-random: tiny-model
 	HF_HUB_OFFLINE=1 WANDB_MODE=offline OMP_NUM_THREADS=1 $(TORCHRUN) train_grpo.py \
 		--config configs/tiny_cpu.yaml --sequence-parallel-size 2
+
+# The I2V world (configs/world_i2v_cpu.yaml): the committed world weights in TI2V's image mode
+# (a folder of symlinks and a model_index.json with expand_timesteps; nothing is trained).
+world-i2v-model: setup
+	$(PY) -m miles.world.i2v model .cache/world-i2v
 
 # Rebuild the pretrained world pipeline (VAE + Wan prior, ~17 min on 2 cores) into WORLD_DIR;
 # the committed copy is miles/world/pipeline.

@@ -24,6 +24,10 @@ seeds, ODE sampling) in deterministic mode with 4 CPU processes:
 Every run keeps the recipe's optimizer, learning rate, batch and evaluation: nothing is tuned per
 method.
 
+``--config configs/world_i2v_cpu.yaml`` runs the same on the image-to-video world (its reward
+``world_i2v``; ``make world-i2v-model`` first). The curves are of the weighted reward of the
+recipe (its one reward at weight 1).
+
 Writes ``learning.json`` (per run: per-step training reward, every held-out evaluation with its
 step and wall time, the run's wall time), ``learning.png`` (held-out adherence against optimizer
 steps and against wall time; training reward) and ``learning.md`` (a table). ``--target`` states
@@ -41,7 +45,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-REWARD = "world_adherence"
+DEFAULT_CONFIG = "configs/world_cpu.yaml"
 _DP4 = ["--data.prompts-per-rank", "2"]
 _DP2XSP2 = ["--data.prompts-per-rank", "4", "--sequence-parallel-size", "2", "--ulysses-degree", "2"]
 _NEGATED = ["--grpo.negate-advantages"]
@@ -62,17 +66,24 @@ RUNS.update({f"cfg-{name}": [*RUNS[name], *_CFG] for name in ("guard-dp4", "cps-
 DEFAULT_RUNS = ["dp4", "dp2xsp2", "dp4-negated"]
 
 
-def command(out: Path, name: str, flags: list[str], num_rollouts: int, extra: list[str]) -> list[str]:
-    """One 4-process torchrun launch of the world recipe."""
+def command(
+    out: Path, name: str, flags: list[str], num_rollouts: int, extra: list[str], config: str = DEFAULT_CONFIG
+) -> list[str]:
+    """One 4-process torchrun launch of the world recipe ``config``."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
-    cmd += ["train_grpo.py", "--config", "configs/world_cpu.yaml", "--run.output-dir", str(out)]
+    cmd += ["train_grpo.py", "--config", config, "--run.output-dir", str(out)]
     cmd += ["--run.name", name, "--run.no-progress", "--deterministic-mode", "--train.no-export"]
     cmd += ["--train.no-resume", "--train.overwrite", "--train.num-rollouts", str(num_rollouts)]
     return [*cmd, *flags, *extra]
 
 
 def launch_all(
-    out: Path, names: list[str], num_rollouts: int, extra: list[str], parallel: bool
+    out: Path,
+    names: list[str],
+    num_rollouts: int,
+    extra: list[str],
+    parallel: bool,
+    config: str = DEFAULT_CONFIG,
 ) -> dict[str, float]:
     """Run the launches one after another, or all at once (on a machine with cores to spare);
     returns each one's wall time in seconds."""
@@ -81,7 +92,7 @@ def launch_all(
     for name in names:
         log = open(out / f"{name}.log", "w")
         t0 = time.monotonic()
-        cmd = command(out, name, RUNS[name], num_rollouts, extra)
+        cmd = command(out, name, RUNS[name], num_rollouts, extra, config)
         procs[name] = (subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), t0)
         if not parallel:
             procs[name][0].wait()
@@ -104,15 +115,13 @@ def read_run(run_dir: Path, wall_s: float) -> dict:
     t0 = evals[0]["time"] - evals[0]["time/eval_s"]
     return {
         "wall_s": wall_s,
-        "train": [
-            {"step": r["step"], "reward": r[f"reward/{REWARD}/mean"]} for r in rows if "reward/mean" in r
-        ],
+        "train": [{"step": r["step"], "reward": r["reward/mean"]} for r in rows if "reward/mean" in r],
         "eval": [
             {
                 "step": e["step"],
                 "rollout": e["rollout"],
                 "time_s": e["time"] - t0,
-                "adherence": e[f"eval/{REWARD}/mean"],
+                "adherence": e["eval/reward/mean"],
             }
             for e in evals
         ],
@@ -148,7 +157,7 @@ def plot(results: dict, path: Path) -> None:
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
     axes[2].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
-    fig.suptitle("RL on the tiny world (configs/world_cpu.yaml): held-out prompts, ODE, fixed seeds")
+    fig.suptitle("RL on the tiny world: held-out prompts, ODE, fixed seeds")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -196,13 +205,18 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--num-rollouts", type=int, default=20)
+    p.add_argument(
+        "--config",
+        default=DEFAULT_CONFIG,
+        help="the world recipe: configs/world_cpu.yaml, or configs/world_i2v_cpu.yaml (make world-i2v-model)",
+    )
     p.add_argument("--runs", nargs="+", default=DEFAULT_RUNS, choices=list(RUNS))
     p.add_argument("--target", type=float, default=0.5, help="final held-out error / baseline error")
     p.add_argument("--parallel", action="store_true", help="run the launches at once (needs >= 12 cores)")
     p.add_argument("extra", nargs="*", help="further train_grpo.py flags (after --)")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    walls = launch_all(args.out, args.runs, args.num_rollouts, args.extra, args.parallel)
+    walls = launch_all(args.out, args.runs, args.num_rollouts, args.extra, args.parallel, args.config)
     results = {}
     for name in args.runs:
         results[name] = read_run(args.out / name, walls[name])

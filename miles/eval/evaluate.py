@@ -171,14 +171,16 @@ def evaluate(
         texts = [prompts[samples[j][0]] for j in idx]
         pos, neg = model.encode_prompts(texts, negative_prompt, max_sequence_length, device)
         noise = torch.stack([eval_noise(settings.latent_shape, settings.seed, *samples[j]) for j in idx])
-        condition = None
+        condition = chunk_images = None
         if images is not None:
             frames, height, width = settings.video_size
             size = dict(num_frames=frames, height=height, width=width, device=device)
-            condition = conditions_of(model, [images[samples[j][0]] for j in idx], **size)
+            chunk_images = [images[samples[j][0]] for j in idx]
+            condition = conditions_of(model, chunk_images, **size)
         final = _sample(model, pos, neg, noise.to(device), settings, condition)
         video = model.decode(final)
-        combined, per_reward = rewards(video, texts)
+        scored = (video, texts) if chunk_images is None else (video, texts, chunk_images)
+        combined, per_reward = rewards(*scored)
         rows = torch.stack([combined, *(per_reward[n] for n in rewards.names)]).double().cpu()
         scores[:, idx] = rows
         if keep_videos:

@@ -22,6 +22,7 @@ from miles.rewards.tiny_clip import tiny_clip
 from miles.rewards.videoalign import VideoAlign
 from miles.rewards.vlm_judge import VLMJudge
 from miles.rewards.world import WorldAdherence
+from miles.rewards.world_i2v import WorldI2V
 
 __all__ = [
     "Aesthetic",
@@ -38,6 +39,7 @@ __all__ = [
     "VideoAlign",
     "VLMJudge",
     "WorldAdherence",
+    "WorldI2V",
     "build_rewards",
     "frames_to_uint8",
     "register_reward",

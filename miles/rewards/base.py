@@ -19,6 +19,9 @@ class Reward(abc.ABC):
     ``build_rewards`` fails before the first rollout rather than after it."""
 
     name: str = ""
+    needs_images: bool = False
+    """Image-to-video rewards set this: ``MultiReward`` then passes each sample's condition image as
+    the keyword ``images`` (a sequence of image files or (3, H, W) tensors in [0, 1], one per video)."""
 
     @abc.abstractmethod
     def __call__(self, videos: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:

@@ -59,10 +59,16 @@ class MultiReward:
     def names(self) -> list[str]:
         return list(self.rewards)
 
+    @property
+    def needs_images(self) -> bool:
+        """Whether a reward of the mix scores against each sample's condition image."""
+        return any(r.needs_images for r in self.rewards.values())
+
     def __call__(
-        self, videos: torch.Tensor, prompts: Sequence[str]
+        self, videos: torch.Tensor, prompts: Sequence[str], images: Sequence | None = None
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Score ``videos`` (B, F, C, H, W) in [0, 1] against ``prompts`` (B,).
+        """Score ``videos`` (B, F, C, H, W) in [0, 1] against ``prompts`` (B,) and, for the rewards
+        that need them (``Reward.needs_images``), the samples' condition ``images`` (B,).
 
         Returns ``(combined, per_reward)``: (B,) float32 on ``videos.device`` and the unweighted
         score of each reward under its name (also (B,) float32 on ``videos.device``).
@@ -72,7 +78,15 @@ class MultiReward:
         combined = torch.zeros(batch, dtype=torch.float32, device=videos.device)
         per_reward: dict[str, torch.Tensor] = {}
         for name, reward in self.rewards.items():
-            score = reward(videos, prompts)
+            if reward.needs_images:
+                if images is None or len(images) != batch:
+                    raise ValueError(
+                        f"reward {name!r} scores image-to-video samples against their first frame: it needs "
+                        "an image-to-video model and a JSONL prompt file with an 'image' per prompt"
+                    )
+                score = reward(videos, prompts, images=images)
+            else:
+                score = reward(videos, prompts)
             if not isinstance(score, torch.Tensor) or tuple(score.shape) != (batch,):
                 got = tuple(score.shape) if isinstance(score, torch.Tensor) else type(score).__name__
                 raise ValueError(f"reward {name!r} returned {got}; rewards must return a ({batch},) tensor")

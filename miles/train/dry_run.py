@@ -200,6 +200,20 @@ def _check_rewards(cfg: Config) -> None:
     check_reward_config(cfg.reward)  # shaping options and every reward's local weights, loading nothing
 
 
+def _check_image_rewards(cfg: Config, image_to_video: bool) -> None:
+    """The trainer's refusal of a reward that scores against the given first frame (``needs_images``)
+    in a text-to-video run."""
+    import miles.rewards  # noqa: F401 (registers the built-in rewards)
+    from miles.rewards.registry import _REGISTRY
+
+    needs = [n for n in cfg.reward.weights if getattr(_REGISTRY.get(n), "needs_images", False)]
+    if needs and not image_to_video:
+        raise ValueError(
+            f"reward.weights {sorted(cfg.reward.weights)}: a reward scores against each sample's given "
+            "first frame, but the model is text-to-video; use an image-to-video model (model.task i2v)"
+        )
+
+
 def _check_inputs(
     cfg: Config, dp: int, model_path: Path, image_to_video: bool = False
 ) -> tuple[str, list[str]]:
@@ -220,6 +234,7 @@ def _check_inputs(
         check_prompt_images(held_out, cfg.eval.prompt_file, image_to_video)
         GroupSampler(len(prompts), cfg.data.prompts_per_rank, cfg.data.group_size, dp_rank=0, dp_size=dp)
         _check_rewards(cfg)
+        _check_image_rewards(cfg, image_to_video)
     except (ValueError, FileNotFoundError) as e:
         raise DryRunError(str(e)) from None
     warnings = config_warnings(cfg)

@@ -251,6 +251,18 @@ class Trainer:
             + held_out
         )
         self.rewards, self.gold_rewards = build_configured_rewards(cfg.reward, self.device)
+        if self.rewards.needs_images and not image_to_video:
+            raise ValueError(
+                f"reward.weights {sorted(cfg.reward.weights)}: a reward scores against each sample's given "
+                "first frame, but the model is text-to-video; use an image-to-video model (model.task i2v)"
+            )
+
+    def _score_inputs(self, batch: dict, sl: slice) -> tuple:
+        """What the rewards score a micro-batch's videos against: its prompts, and for
+        image-to-video its given first frames (rewards may check consistency with them)."""
+        if self.model.condition_mode is None:
+            return (batch["prompts"][sl],)
+        return (batch["prompts"][sl], batch["images"][sl])
 
     def _check_layout(self) -> None:
         """dp x sp, Ulysses x ring, the attention backend: from the config and the model folder's
@@ -461,6 +473,7 @@ class Trainer:
                 chunks.append({**chunk, "condition": condition})
         return {
             "prompts": prompts,
+            "images": images,  # each sample's first frame (None for text-to-video)
             "group_ids": group_ids,
             "sample_ids": torch.as_tensor(sample_ids),
             "rollout_index": self.rollout_index,
@@ -516,7 +529,7 @@ class Trainer:
         results = decode_and_score(
             mine,
             lambda chunk: self.model.decode(chunk["rollout"].final_latents),
-            lambda video, chunk: self.rewards(video, batch["prompts"][chunk["slice"]]),
+            lambda video, chunk: self.rewards(video, *self._score_inputs(batch, chunk["slice"])),
         )
         for chunk, video, (combined, per_reward) in results:
             sl = chunk["slice"]

@@ -7,7 +7,7 @@ Through the real entry point (``python train_grpo.py``, one process, gloo), one 
   ``--world-size`` without ``--dry-run``, an unknown reward or a bad weight in
   ``--reward.weights.NAME W``) exit with code 2 before torch.distributed starts;
 - errors found while building the trainer (a model path that is not a diffusers Wan folder, a
-  reward without its weights, an empty, malformed or non-UTF-8 prompt file, fewer prompts than
+  reward without its weights, an image-to-video reward for a text-to-video model, an empty, malformed or non-UTF-8 prompt file, fewer prompts than
   one rollout needs, a run path that is a file) exit with code 2 and the message, before the
   model is sharded or a rollout runs.
 
@@ -124,6 +124,8 @@ def _trainer_error(tmp_path: Path, case: str) -> tuple[list[str], list[str]]:
     if case == "reward_weights_missing":
         # The flag adds pickscore to the recipe's rewards; there is no reward.pickscore_path.
         return ["--reward.weights.pickscore", "1"], ["set reward.pickscore_path to a local folder"]
+    if case == "image_reward_for_text_model":
+        return ["--reward.weights.world_i2v", "1"], ["given first frame", "model is text-to-video"]
     if case == "empty_prompt_file":
         prompts = _write(tmp_path, "prompts.txt", "\n  \n")
         return ["--data.prompt-file", str(prompts)], [f"{prompts}: no prompts in file"]
@@ -153,6 +155,7 @@ TRAINER_ERRORS = [
     "model_path_not_wan",
     "model_path_missing",
     "reward_weights_missing",
+    "image_reward_for_text_model",
     "empty_prompt_file",
     "malformed_prompt_file",
     "non_utf8_prompt_file",

@@ -343,6 +343,8 @@ def _dry_input_case(tmp_path: Path, case: str) -> tuple[list[str], str]:
         return flags, "set reward.hps_path to a local file or folder: download HPS_v2.1_compressed.pt"
     if case == "normalize_an_untrained_reward":
         return ["--reward.normalize", "sharpness", "group"], "reward.normalize names 'sharpness'"
+    if case == "image_reward_for_text_model":
+        return ["--reward.weights.world_i2v", "1"], "given first frame, but the model is text-to-video"
     if case == "run_output_dir_is_a_file":
         (tmp_path / "f").write_text("")
         return ["--run.output-dir", str(tmp_path / "f")], f"{tmp_path}/f is a file, so the run directory"
@@ -372,6 +374,7 @@ def _dry_input_case(tmp_path: Path, case: str) -> tuple[list[str], str]:
         "reward_without_its_model",
         "gold_reward_without_its_weights",
         "normalize_an_untrained_reward",
+        "image_reward_for_text_model",
         "run_output_dir_is_a_file",
         "no_resume_into_a_previous_run",
         "clip_range_0",
