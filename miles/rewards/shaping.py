@@ -110,10 +110,10 @@ class EvalRewards:
         return self.trained.names + (self.gold.names if self.gold is not None else [])
 
     def __call__(
-        self, videos: torch.Tensor, prompts: Sequence[str]
+        self, videos: torch.Tensor, prompts: Sequence[str], images: Sequence | None = None
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        combined, per_reward = self.trained(videos, prompts)
+        combined, per_reward = self.trained(videos, prompts, images)
         if self.gold is not None:
-            _, gold = self.gold(videos, prompts)
+            _, gold = self.gold(videos, prompts, images)
             per_reward = {**per_reward, **gold}
         return combined, per_reward

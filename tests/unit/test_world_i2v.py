@@ -12,6 +12,7 @@ from PIL import Image
 from miles.data.prompts import load_prompts
 from miles.models.i2v import condition_mode
 from miles.rewards import build_rewards
+from miles.rewards.shaping import EvalRewards
 from miles.rewards.world_i2v import world_i2v_scores
 from miles.world.i2v import PROMPT_DIR, build_i2v_world, first_frame, i2v_records
 from miles.world.world import Attributes, is_heldout, parse_prompt, render
@@ -111,6 +112,10 @@ def test_the_mix_passes_images_only_to_rewards_that_need_them():
     assert torch.allclose(combined, expected)
     with pytest.raises(ValueError, match="'image' per prompt"):
         mix(videos, prompts)
+    # evaluation's mix (trained + gold rewards) passes the images on to both
+    gold = build_rewards({"world_i2v": 0.0})
+    combined_eval, per_eval = EvalRewards(mix, gold)(videos, prompts, images)
+    assert torch.equal(combined_eval, combined) and torch.equal(per_eval["world_i2v"], per["world_i2v"])
 
 
 def test_i2v_world_folder_is_ti2v_image_mode_over_the_committed_weights(tmp_path):
