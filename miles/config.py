@@ -84,6 +84,15 @@ class ModelConfig:
         default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2"]
     )
     """Module names LoRA adapts."""
+    init: Literal["pretrained", "random"] = "pretrained"
+    """``pretrained``: load the folder's weights (each rank reads only its own shards of the
+    transformers). ``random``: build every component from its config.json with random weights and
+    read no weight file: for memory rehearsals and benchmarks on config-only folders."""
+    text_encoder_offload: bool = True
+    """Keep the text encoder on the CPU between encodings (it visits the GPU to encode a rollout's
+    new prompts; embeddings are cached on the CPU). False keeps it resident on the GPU."""
+    vae_tiling: bool = False
+    """Decode videos tile by tile (diffusers' ``enable_tiling``): less decode memory, a little slower."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -101,6 +110,9 @@ class ParallelConfig:
     blocks): double runs give bitwise identical results."""
     reshard_after_forward: bool = True
     """FSDP2: free the gathered parameters after each block's forward (ZeRO-3)."""
+    replicate_size: int = 1
+    """HSDP: replicate the FSDP shards over this many groups (e.g. one per node) and shard within
+    each group of world/replicate_size ranks. 1: plain FSDP over every rank."""
     rollout_unsharded: bool = True
     """Rollout: gather the parameters once per rollout instead of once per block per denoising
     step (uses one full copy of the transformer's weights per rank while sampling)."""
