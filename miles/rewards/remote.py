@@ -161,6 +161,47 @@ def http_request(
     raise RemoteRewardError(f"{method} {url} failed after {retries + 1} attempt(s); last error: {last}")
 
 
+class HttpClient:
+    """A ``requests`` session with the retry policy of :func:`http_request` and thread-safe counters:
+    what the HTTP rewards (``remote``, ``vlm_judge``) share. Retries are counted as ``num_retries``."""
+
+    def __init__(
+        self,
+        session: requests.Session,
+        *,
+        timeout_s: float,
+        retries: int,
+        backoff_s: float,
+        counters: Sequence[str],
+    ) -> None:
+        self.session = session
+        self.timeout_s, self.retries, self.backoff_s = float(timeout_s), retries, backoff_s
+        self._lock = threading.Lock()
+        self._counts = dict.fromkeys(counters, 0)
+
+    def request(
+        self, method: str, url: str, timeout_s: float | None = None, **kwargs: Any
+    ) -> requests.Response:
+        return http_request(
+            self.session,
+            method,
+            url,
+            retries=self.retries,
+            backoff_s=self.backoff_s,
+            timeout_s=timeout_s or self.timeout_s,
+            on_retry=lambda: self.count("num_retries"),
+            **kwargs,
+        )
+
+    def count(self, key: str, n: int = 1) -> None:
+        with self._lock:
+            self._counts[key] += n
+
+    def counts(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)
+
+
 def check_http_options(prefix: str, url: str | None, timeout_s: float, retries: int, backoff_s: float) -> str:
     """Validate the URL, timeout and retry options of an HTTP reward; returns the URL without a final /."""
     if not isinstance(url, str) or not url.startswith(("http://", "https://")):
@@ -227,16 +268,15 @@ class RemoteReward(Reward):
             raise ValueError(
                 f"reward.remote_batch_size must be a positive int or None; got {remote_batch_size!r}"
             )
-        self.timeout_s, self.retries, self.backoff_s = (
-            float(remote_timeout_s),
-            remote_retries,
-            remote_backoff_s,
-        )
         self.batch_size = remote_batch_size
         self.num_frames = check_num_frames(remote_num_frames)
-        self.session = requests.Session()
-        self._lock = threading.Lock()
-        self._counts = {"num_requests": 0, "num_retries": 0, "num_samples": 0}
+        self.http = HttpClient(
+            requests.Session(),
+            timeout_s=remote_timeout_s,
+            retries=remote_retries,
+            backoff_s=remote_backoff_s,
+            counters=("num_requests", "num_retries", "num_samples"),
+        )
         self.last_scores: dict[str, torch.Tensor] = {}
         """The unweighted score of each remote reward in the last call, (B,) float32 on the videos' device."""
         self.hosted = self._check_health()
@@ -245,7 +285,9 @@ class RemoteReward(Reward):
     def _check_health(self) -> list[str]:
         start = "python -m miles.rewards.serve --rewards NAME[,NAME...] --port PORT"
         try:
-            response = self._request("GET", "/health", timeout_s=min(self.timeout_s, _CONNECT_TIMEOUT_S))
+            response = self.http.request(
+                "GET", self.url + "/health", timeout_s=min(self.http.timeout_s, _CONNECT_TIMEOUT_S)
+            )
             body = response.json()
             hosted = body["rewards"]
             if body.get("version") != WIRE_VERSION or not all(isinstance(n, str) for n in hosted):
@@ -257,37 +299,18 @@ class RemoteReward(Reward):
             ) from e
         return list(hosted)
 
-    def _request(
-        self, method: str, path: str, timeout_s: float | None = None, **kwargs: Any
-    ) -> requests.Response:
-        return http_request(
-            self.session,
-            method,
-            self.url + path,
-            retries=self.retries,
-            backoff_s=self.backoff_s,
-            timeout_s=timeout_s or self.timeout_s,
-            on_retry=lambda: self._count("num_retries"),
-            **kwargs,
-        )
-
-    def _count(self, key: str, n: int = 1) -> None:
-        with self._lock:
-            self._counts[key] += n
-
     def stats(self) -> dict[str, int]:
         """Counters since construction: ``num_requests``, ``num_retries``, ``num_samples`` (scored)."""
-        with self._lock:
-            return dict(self._counts)
+        return self.http.counts()
 
     def _score_batch(self, frames: np.ndarray, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
         """One ``POST /score`` (one request id for all its retries): per-reward (b,) float32 scores."""
         request_id = uuid.uuid4().hex
         names = list(self.weights)
         body = encode_request(frames, prompts, names, request_id)
-        self._count("num_requests")
-        response = self._request(
-            "POST", "/score", data=body, headers={"Content-Type": "application/octet-stream"}
+        self.http.count("num_requests")
+        response = self.http.request(
+            "POST", self.url + "/score", data=body, headers={"Content-Type": "application/octet-stream"}
         )
         where = f"the reward server at {self.url}/score"
         try:
@@ -315,7 +338,7 @@ class RemoteReward(Reward):
                     f"{where} returned non-numeric scores for reward {name!r}: {values[:8]}"
                 )
             out[name] = torch.tensor(values, dtype=torch.float32)
-        self._count("num_samples", len(prompts))
+        self.http.count("num_samples", len(prompts))
         return out
 
     def __call__(self, videos: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:

@@ -32,7 +32,6 @@ import io
 import math
 import os
 import re
-import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -44,7 +43,7 @@ from requests.adapters import HTTPAdapter
 
 from miles.rewards.base import Reward, check_num_frames, check_videos, frames_to_uint8, sample_frame_indices
 from miles.rewards.registry import register_reward
-from miles.rewards.remote import RemoteRewardError, check_http_options, http_request
+from miles.rewards.remote import HttpClient, RemoteRewardError, check_http_options
 
 DEFAULT_QUESTION = (
     "The {num_frames} images are frames sampled in order from one generated video. "
@@ -147,16 +146,20 @@ class VLMJudge(Reward):
                 f"reward.vlm_question may use only {{prompt}}, {{lo}}, {{hi}}, {{num_frames}} "
                 f"(double other braces); formatting it failed: {e!r}"
             ) from e
-        self.timeout_s, self.retries, self.backoff_s = float(vlm_timeout_s), vlm_retries, vlm_backoff_s
         api_key = vlm_api_key or next((os.environ[k] for k in API_KEY_ENV if os.environ.get(k)), None)
-        self.session = requests.Session()  # thread-safe for plain requests (no cookies are used)
+        session = requests.Session()  # thread-safe for plain requests (no cookies are used)
         adapter = HTTPAdapter(pool_maxsize=self.concurrency)
-        self.session.mount("http://", adapter)
-        self.session.mount("https://", adapter)
+        session.mount("http://", adapter)
+        session.mount("https://", adapter)
         if api_key:
-            self.session.headers["Authorization"] = f"Bearer {api_key}"
-        self._lock = threading.Lock()
-        self._counts = {"num_requests": 0, "num_retries": 0, "num_unparsable": 0}
+            session.headers["Authorization"] = f"Bearer {api_key}"
+        self.http = HttpClient(
+            session,
+            timeout_s=vlm_timeout_s,
+            retries=vlm_retries,
+            backoff_s=vlm_backoff_s,
+            counters=("num_requests", "num_retries", "num_unparsable"),
+        )
         self.last_unparsable = 0
         """Unparsable answers in the last call (``vlm_unparsable`` says what they scored)."""
         self.last_answers: list[str] = []
@@ -172,7 +175,7 @@ class VLMJudge(Reward):
         """The served model to ask: ``model``, or the only one ``/v1/models`` lists; else ValueError."""
         url = f"{self.url}/v1/models"
         try:
-            response = self._request("GET", url, timeout_s=min(self.timeout_s, 10.0))
+            response = self.http.request("GET", url, timeout_s=min(self.http.timeout_s, 10.0))
             served = [m["id"] for m in response.json()["data"]]
         except (RemoteRewardError, ValueError, KeyError, TypeError) as e:
             raise ValueError(
@@ -187,27 +190,10 @@ class VLMJudge(Reward):
             raise ValueError(f"reward.vlm_model={model!r} is not served at {url}; it serves {served}")
         return model
 
-    def _request(self, method: str, url: str, timeout_s: float | None = None, **kwargs) -> requests.Response:
-        return http_request(
-            self.session,
-            method,
-            url,
-            retries=self.retries,
-            backoff_s=self.backoff_s,
-            timeout_s=timeout_s or self.timeout_s,
-            on_retry=lambda: self._count("num_retries"),
-            **kwargs,
-        )
-
-    def _count(self, key: str, n: int = 1) -> None:
-        with self._lock:
-            self._counts[key] += n
-
     def stats(self) -> dict[str, int]:
         """Counters since construction (``num_requests``, ``num_retries``, ``num_unparsable``) and
         ``last_unparsable``; the trainer can log them."""
-        with self._lock:
-            return {**self._counts, "last_unparsable": self.last_unparsable}
+        return {**self.http.counts(), "last_unparsable": self.last_unparsable}
 
     def _ask(self, frames: np.ndarray, prompt: str) -> str:
         """One chat completion for one video's frames (K, H, W, C) uint8: the answer's text."""
@@ -220,8 +206,8 @@ class VLMJudge(Reward):
             "temperature": 0.0,
         }
         url = f"{self.url}/v1/chat/completions"
-        self._count("num_requests")
-        response = self._request("POST", url, json=payload)
+        self.http.count("num_requests")
+        response = self.http.request("POST", url, json=payload)
         try:
             text = response.json()["choices"][0]["message"]["content"]
             if isinstance(text, list):  # some servers answer content parts
@@ -243,7 +229,7 @@ class VLMJudge(Reward):
         parsed = [parse_score(a, self.lo, self.hi) for a in answers]
         bad = [i for i, s in enumerate(parsed) if s is None]
         self.last_answers, self.last_unparsable = answers, len(bad)
-        self._count("num_unparsable", len(bad))
+        self.http.count("num_unparsable", len(bad))
         if bad and self.unparsable == "error":
             i = bad[0]
             raise RemoteRewardError(
