@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.world_launch import launch_world
+
 pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,14 +43,7 @@ FLAGS = [
 
 
 def _launch(root: Path, name: str, *flags: str) -> Path:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    cmd += ["--max-restarts", "0", "train_grpo.py", "--config", "configs/world_cpu.yaml"]
-    cmd += ["--run.output-dir", str(root), "--run.name", name, "--run.wandb-mode", "disabled"]
-    cmd += ["--run.no-progress", "--deterministic-mode", *FLAGS, *flags]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return root / name
+    return launch_world(root, name, *FLAGS, *flags, timeout_s=600)
 
 
 def _evals(run_dir: Path) -> list[dict]:
