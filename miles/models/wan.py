@@ -34,6 +34,7 @@ class WanModel:
     pipeline: object  # the diffusers WanPipeline (text encoder, tokenizer, VAE)
     condition_mode: str | None = None  # image-to-video: "concat" or "first_frame" (miles.rollout.condition)
     image_pipeline: object | None = None  # image-to-video: the WanImageToVideoPipeline sharing the modules
+    text_encoder_offload: bool = False  # the text encoder lives on the CPU and visits the device to encode
 
     @property
     def num_attention_heads(self) -> int:
@@ -65,13 +66,20 @@ class WanModel:
     def encode_prompts(self, prompts: list[str], negative_prompt: str, max_sequence_length: int, device):
         """(prompt_embeds, negative_embeds), each (B, L, text_dim), via the pipeline's own encoder."""
         pipe = self.pipeline
-        pos, neg = pipe.encode_prompt(
-            prompt=prompts,
-            negative_prompt=[negative_prompt] * len(prompts),
-            do_classifier_free_guidance=True,
-            max_sequence_length=max_sequence_length,
-            device=device,
-        )
+        home = next(pipe.text_encoder.parameters()).device
+        if self.text_encoder_offload:
+            pipe.text_encoder.to(device)
+        try:
+            pos, neg = pipe.encode_prompt(
+                prompt=prompts,
+                negative_prompt=[negative_prompt] * len(prompts),
+                do_classifier_free_guidance=True,
+                max_sequence_length=max_sequence_length,
+                device=device,
+            )
+        finally:
+            if self.text_encoder_offload:
+                pipe.text_encoder.to(home)
         return pos, neg
 
     @torch.no_grad()
@@ -145,14 +153,26 @@ def transformer_config(path: Path) -> dict:
     return json.loads(file.read_text())
 
 
-def load_wan(cfg: ModelConfig, device: torch.device) -> WanModel:
-    """Load the pipeline from a local folder (hub never contacted), move it to ``device``."""
+def load_wan(cfg: ModelConfig, device: torch.device, experts: str = "load", seed: int = 0) -> WanModel:
+    """Load the pipeline from a local folder (hub never contacted), move it to ``device``.
+
+    ``experts``: ``load`` loads the transformer(s) whole in fp32 and moves them to ``device``;
+    ``skeleton`` builds them on the meta device from their config.json (the trainer shards them,
+    then each rank reads only its own shards: :mod:`miles.models.sharded_load`). The text encoder
+    stays on the CPU when ``cfg.text_encoder_offload`` (:meth:`WanModel.encode_prompts` moves it
+    to ``device`` for each call). ``cfg.init == "random"``: every component is built from its
+    config.json with random weights and no weight file is read (the transformers as skeletons
+    unless ``experts`` is ``load``, then with :class:`RandomInit`'s weights for ``seed`` on ``device``)."""
     from diffusers import WanImageToVideoPipeline, WanPipeline
 
     from miles.models.i2v import condition_mode, text_pipeline
+    from miles.models.sharded_load import build_skeleton
 
+    if experts not in ("load", "skeleton"):
+        raise ValueError(f"experts must be 'load' or 'skeleton', got {experts!r}")
     path = resolve_model_path(cfg)
-    mode = condition_mode(path, check_wan_folder(path), cfg.task)
+    info = check_wan_folder(path)
+    mode = condition_mode(path, info, cfg.task)
     # dtypes at load time: diffusers keeps its fp32-sensitive modules (norms, rope) in fp32.
     # The transformers keep fp32 master weights; FSDP2 casts them to ``cfg.dtype`` for compute.
     dtypes = {
@@ -162,29 +182,79 @@ def load_wan(cfg: ModelConfig, device: torch.device) -> WanModel:
         "vae": DTYPES[cfg.vae_dtype],
         "default": torch.float32,
     }
+    subs = [s for s in ("transformer", "transformer_2") if (info.get(s) or [None])[0] is not None]
+    given = {}
+    if experts == "skeleton" or cfg.init == "random":
+        given = {s: build_skeleton(path, s) for s in subs}
+    if cfg.init == "random":
+        given.update(random_components(path, info, dtypes))
+    pipeline_class = WanPipeline if mode is None else WanImageToVideoPipeline
+    loaded = pipeline_class.from_pretrained(path, local_files_only=True, dtype=dtypes, **given)
     image_pipe = None
     if mode is None:
-        pipe = WanPipeline.from_pretrained(path, local_files_only=True, dtype=dtypes)
+        pipe = loaded
     else:
-        image_pipe = WanImageToVideoPipeline.from_pretrained(path, local_files_only=True, dtype=dtypes)
+        image_pipe = loaded
         if image_pipe.image_encoder is not None:
             image_pipe.image_encoder.to(device).requires_grad_(False).eval()
         pipe = text_pipeline(image_pipe)
     pipe.set_progress_bar_config(disable=True)
-    pipe.text_encoder.to(device).requires_grad_(False).eval()
+    pipe.text_encoder.requires_grad_(False).eval()
+    if not cfg.text_encoder_offload:
+        pipe.text_encoder.to(device)
     pipe.vae.to(device).requires_grad_(False).eval()
-    experts = [pipe.transformer] + ([pipe.transformer_2] if pipe.transformer_2 is not None else [])
-    for t in experts:
-        t.to(device)
+    transformers = [pipe.transformer] + ([pipe.transformer_2] if pipe.transformer_2 is not None else [])
+    if experts == "load" and cfg.init == "random":
+        transformers = [_random_expert(t, s, seed, device) for t, s in zip(transformers, subs)]
+        pipe.transformer = transformers[0]
+        pipe.transformer_2 = transformers[1] if len(transformers) == 2 else None
+    elif experts == "load":
+        for t in transformers:
+            t.to(device)
     return WanModel(
         path=path,
-        transformers=experts,
-        boundary_ratio=pipe.config.boundary_ratio if len(experts) == 2 else None,
+        transformers=transformers,
+        boundary_ratio=pipe.config.boundary_ratio if len(transformers) == 2 else None,
         expand_timesteps=bool(getattr(pipe.config, "expand_timesteps", False)),
         pipeline=pipe,
         condition_mode=mode,
         image_pipeline=image_pipe,
+        text_encoder_offload=cfg.text_encoder_offload,
     )
+
+
+def _random_expert(skeleton: nn.Module, subfolder: str, seed: int, device: torch.device) -> nn.Module:
+    """A whole (unsharded) expert with ``model.init: random``'s weights (those the sharded path
+    gives every layout)."""
+    from miles.models.sharded_load import RandomInit, materialize
+
+    materialize(skeleton, device, RandomInit(seed=seed, salt=subfolder))
+    return skeleton
+
+
+def random_components(path: Path, info: dict, dtypes: dict) -> dict:
+    """Text encoder, VAE and image encoder of the folder built from their config.json with random
+    weights (from torch's global RNG: deterministic given the run seed); no weight file is read."""
+    import diffusers
+    import transformers
+
+    out = {}
+    for name in ("text_encoder", "vae", "image_encoder"):
+        entry = info.get(name) or [None, None]
+        if entry[0] is None:
+            continue
+        library, class_name = entry
+        dtype = dtypes.get(name, torch.float32)
+        if library == "transformers":
+            config = transformers.AutoConfig.from_pretrained(path / name, local_files_only=True)
+            module = getattr(transformers, class_name)._from_config(config, torch_dtype=dtype)
+        elif library == "diffusers":
+            cls = getattr(diffusers, class_name)
+            module = cls.from_config(cls.load_config(path / name)).to(dtype)
+        else:
+            raise ValueError(f"{path}/model_index.json: cannot build {name} of library {library} at random")
+        out[name] = module
+    return out
 
 
 def calibrate_block_memory(
@@ -204,7 +274,13 @@ def calibrate_block_memory(
 
     cfg = transformer.config
     dim = cfg.num_attention_heads * cfg.attention_head_dim
-    block = copy.deepcopy(transformer.blocks[0]).to(device=device, dtype=dtype).train()
+    block = copy.deepcopy(transformer.blocks[0])
+    if any(p.is_meta for p in block.parameters()):  # a skeleton (sharded loading): any values will do
+        block.to_empty(device=device)
+        with torch.no_grad():
+            for p in block.parameters():
+                p.fill_(0.01)
+    block = block.to(device=device, dtype=dtype).train()
 
     def make_inputs():
         hidden = torch.randn(batch, tokens, dim, device=device, dtype=dtype, requires_grad=True)

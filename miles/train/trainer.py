@@ -12,7 +12,6 @@ gradient of the clipped-ratio loss over those steps (Flow-GRPO).
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import math
 import os
@@ -70,6 +69,15 @@ from miles.train.checkpoint import (
 from miles.train.ema import EMA
 from miles.train.export import export_pipeline
 from miles.train.logging import MetricsLogger, configure_library_progress, print0, show_progress
+from miles.models.sharded_load import (
+    RandomInit,
+    WeightFiles,
+    add_lora,
+    build_skeleton,
+    cast_frozen,
+    copy_local_shards,
+    materialize,
+)
 from miles.train.old_policy import OldPolicy
 from miles.train.overlap import decode_and_score
 from miles.train.resume import resume_checkpoint
@@ -148,7 +156,8 @@ class Trainer:
         # the layout first, from the model folder's config JSON, identically on every rank.
         self._check_layout()
         self._load_inputs()
-        self.model: WanModel = load_wan(cfg.model, self.device)
+        # The transformers come as meta skeletons: _parallelize shards them, then loads each rank's shards.
+        self.model: WanModel = load_wan(cfg.model, self.device, experts="skeleton", seed=cfg.run.seed)
         self.mesh = build_parallel_mesh(self.dims, self.device.type)
         self.sampler = GroupSampler(
             num_prompts=len(self.prompts),
@@ -311,8 +320,9 @@ class Trainer:
         experts = self.model.transformers
         num_params = sum(p.numel() for t in experts for p in t.parameters())
         trainable = num_params if cfg.lora_rank == 0 else num_params // 100  # adapters: a rough upper bound
-        resident = 4 * num_params  # the unsharded fp32 experts, on the GPU until FSDP shards them
-        other = max(torch.cuda.memory_allocated(self.device) - resident, 0)
+        # The experts are still meta skeletons here (their shards load after every expert is
+        # sharded): what the GPU holds now is the rest (VAE, a resident text encoder...).
+        other = torch.cuda.memory_allocated(self.device)
         fixed = fixed_training_bytes(
             num_params,
             trainable,
@@ -334,44 +344,77 @@ class Trainer:
         apply_sequence_parallel(transformer, self.mesh, plan=plan)
 
     def _parallelize(self) -> None:
-        """LoRA, then attention backend → SP install → FSDP2 (per block, then root), per expert;
-        the old policy's and the reference's copies are sharded alike (the same local shards)."""
+        """LoRA, then attention backend → SP install → FSDP2 (per block, then root), per expert, on
+        meta skeletons; then each rank loads only its own shards (:mod:`miles.models.sharded_load`).
+        The old policy's and the reference's copies are skeletons sharded alike, filled from the
+        policy's local shards: no rank ever holds a whole expert."""
         cfg = self.cfg
-        # A full fine-tune with a KL term keeps a frozen copy of the initial weights, sharded alike.
-        self.reference = None
-        if self.algorithm.uses_reference and cfg.model.lora_rank == 0:
-            self.reference = [copy.deepcopy(t).requires_grad_(False).eval() for t in self.model.transformers]
-        old = []  # the old policy's experts (DiffusionNFT), copied with their adapters
         trained = dict(reduce_dtype=torch.float32, reshard_after_forward=cfg.parallel.reshard_after_forward)
+        adapters = []
         for transformer in self.model.transformers:
-            self._make_trainable(transformer)
-            if self.algorithm.uses_old_policy:
-                old.append(copy.deepcopy(transformer))
+            adapters.append(self._make_trainable(transformer))
             transformer.train()
             self._shard(transformer, checkpointing=True, **trained)
-        for copy_ in old:
-            self._shard(copy_, **trained)
+        for i, (transformer, sub) in enumerate(zip(self.model.transformers, self._expert_folders())):
+            if cfg.model.init == "random":
+                source = RandomInit(seed=cfg.run.seed, salt=sub)
+            else:
+                source = WeightFiles(self.model.path / sub)
+            materialize(transformer, self.device, source, adapters[i])
+        old = []  # the old policy's experts (DiffusionNFT), with their adapters
+        if self.algorithm.uses_old_policy:
+            old = [self._sharded_copy(i, lora=True, **trained) for i in range(len(self.model.transformers))]
         self.old_policy = OldPolicy(old, self.model.transformers) if old else None
-        for ref in self.reference or []:
-            self._shard(ref)
+        # A full fine-tune with a KL term keeps a frozen copy of the initial weights, sharded alike,
+        # stored in the compute dtype (the dtype FSDP2 computes it in anyway).
+        self.reference = None
+        if self.algorithm.uses_reference and cfg.model.lora_rank == 0:
+            self.reference = [
+                self._sharded_copy(i, lora=False, dtype=self.compute_dtype).requires_grad_(False).eval()
+                for i in range(len(self.model.transformers))
+            ]
 
-    def _make_trainable(self, transformer: nn.Module) -> None:
-        """Full fine-tune: every parameter trains; LoRA: a frozen base with trainable adapters."""
+    def _expert_folders(self) -> list[str]:
+        return ["transformer", "transformer_2"][: len(self.model.transformers)]
+
+    def _sharded_copy(self, i: int, lora: bool, dtype: torch.dtype | None = None, **fsdp_options) -> nn.Module:
+        """A copy of expert ``i``: a skeleton (with the same adapters when ``lora``), sharded like the
+        expert, filled with its local shards (in ``dtype``, default the expert's own dtypes)."""
+        copy_ = build_skeleton(self.model.path, self._expert_folders()[i])
+        if not lora:
+            copy_.requires_grad_(False)
+        elif self.cfg.model.lora_rank > 0:
+            with torch.random.fork_rng(devices=[]):  # the copy's adapter draw is overwritten anyway
+                self._make_trainable(copy_)
+        if dtype is not None:
+            cast_frozen(copy_, dtype)
+        self._shard(copy_, **fsdp_options)
+        copy_local_shards(copy_, self.model.transformers[i])
+        return copy_
+
+    def _make_trainable(self, transformer: nn.Module) -> dict[str, torch.Tensor]:
+        """Full fine-tune: every parameter trains (fp32 masters); LoRA: a frozen base, stored in the
+        compute dtype, with trainable fp32 adapters. Returns the adapters' initial values (peft's
+        draw, captured on the CPU while ``transformer`` is a meta skeleton)."""
         cfg = self.cfg.model
         if cfg.lora_rank == 0:
             transformer.requires_grad_(True)
-            return
+            return {}
         from peft import LoraConfig
 
         transformer.requires_grad_(False)
-        transformer.add_adapter(
+        adapters = add_lora(
+            transformer,
             LoraConfig(
                 r=cfg.lora_rank,
                 lora_alpha=cfg.lora_alpha,
                 init_lora_weights="gaussian",
                 target_modules=cfg.lora_target_modules,
-            )
+            ),
         )
+        if self.compute_dtype is not None:
+            cast_frozen(transformer, self.compute_dtype)
+        return adapters
 
     def _shard(self, transformer: nn.Module, checkpointing: bool = False, **fsdp_options) -> None:
         """Attention backend → SP install → FSDP2 on one expert (``checkpointing``: with the
