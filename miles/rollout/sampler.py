@@ -262,6 +262,15 @@ def initial_noise(
     return noise.repeat_interleave(group_size, dim=0).to(device)
 
 
+def expert_phases(
+    num_steps: int, shift: float, boundary_ratio: float | None, num_experts: int
+) -> list[tuple[int, int, int]]:
+    """``(expert, start, stop)`` for each expert's run of denoising steps, in order, empty runs left
+    out: a rollout that gathers one expert at a time runs every batch's ``start..stop - 1``."""
+    switch = expert_switch_step(num_steps, shift, boundary_ratio, num_experts)
+    return [(e, a, b) for e, (a, b) in enumerate(((0, switch), (switch, num_steps))[:num_experts]) if a < b]
+
+
 @torch.no_grad()
 def sample_with_logprob(
     transformers: Sequence[nn.Module],

@@ -56,7 +56,8 @@ from miles.parallel.topology_checks import check_ulysses_within_node, local_worl
 from miles.rewards.from_config import build_configured_rewards
 from miles.rewards.shaping import EvalRewards, shaped_reward
 from miles.rollout.condition import conditions_of
-from miles.rollout.sampler import sample_with_logprob
+from miles.rollout.prompt_cache import PromptCache
+from miles.rollout.sampler import begin_sampling, expert_phases
 from miles.sequence_parallel import apply_sequence_parallel, validate_sp_args
 from miles.train.checkpoint import (
     checkpoint_error_reason,
@@ -149,6 +150,14 @@ class Trainer:
         self._check_layout()
         self._load_inputs()
         self.model: WanModel = load_wan(cfg.model, self.device)
+        self.prompt_cache = PromptCache(
+            self.model.pipeline,
+            negative_prompt=cfg.data.negative_prompt,
+            max_sequence_length=cfg.data.max_sequence_length,
+            device=self.device,
+            offload=cfg.model.text_encoder_offload,
+            batch_size=cfg.train.micro_batch_size,
+        )
         self.mesh = build_parallel_mesh(self.dims, self.device.type)
         self.sampler = GroupSampler(
             num_prompts=len(self.prompts),
@@ -425,36 +434,23 @@ class Trainer:
         )
         sde_gens = [self._generator(3, self.rollout_index, k) for k in sample_ids]
         dtype = DTYPES[cfg.model.dtype]
-        chunks: list[dict] = []
-        experts = self.algorithm.rollout_transformers(self.policy)
-        with (
-            unsharded_for_rollout(
-                experts,
-                enabled=cfg.parallel.rollout_unsharded,
-                reshard_after_forward=cfg.parallel.reshard_after_forward,
-            ),
-            torch.no_grad(),
-        ):
-            for mb, sl in enumerate(self._bar(self._micro_slices(len(prompts)), "rollout micro-batches")):
-                maybe_inject_signal(self.rank, self.rollout_index, mb)
-                if self.stop.requested():  # nothing trained yet: abandon the rollout
-                    raise StopRequested
-                # Text encoding, sampling and decoding all run on the same fixed micro-batches, so
-                # a sample's numbers do not depend on the layout (or on dp), and training's
-                # recompute sees exactly the rollout's batch composition.
-                pos, neg = self.model.encode_prompts(
-                    prompts[sl], cfg.data.negative_prompt, cfg.data.max_sequence_length, self.device
+        # Each unique prompt is encoded once (CPU rows; the negative once per run), then the
+        # micro-batches are sampled in fixed slices, so a sample's numbers do not depend on the
+        # layout (or on dp), and training's recompute sees exactly the rollout's batch composition.
+        self.prompt_cache.start_rollout(prompts)
+        neg = self.prompt_cache.negative().to(dtype)
+        runs = []
+        for sl in self._micro_slices(len(prompts)):
+            condition = None
+            if self.model.condition_mode is not None:
+                size = dict(num_frames=r.num_frames, height=r.height, width=r.width)
+                condition = conditions_of(
+                    self.model, images[sl], **size, device=self.device, cache=image_cache
                 )
-                condition = None
-                if self.model.condition_mode is not None:
-                    size = dict(num_frames=r.num_frames, height=r.height, width=r.width)
-                    condition = conditions_of(
-                        self.model, images[sl], **size, device=self.device, cache=image_cache
-                    )
-                ro = sample_with_logprob(
-                    experts,
-                    pos.to(dtype),
-                    neg.to(dtype),
+            runs.append(
+                begin_sampling(
+                    self.prompt_cache.embeds(prompts[sl]).to(dtype),
+                    neg,
                     latent_shape,
                     num_steps=r.num_steps,
                     shift=r.shift,
@@ -468,9 +464,20 @@ class Trainer:
                     sde_type=r.sde_type,
                     record_means=self.algorithm.records_means,
                     condition=condition,
+                    device=self.device,
                 )
-                chunk = {"slice": sl, "pos": pos.to(dtype), "neg": neg.to(dtype), "rollout": ro}
-                chunks.append({**chunk, "condition": condition})
+            )
+        self._sample_expert_at_a_time(runs)
+        chunks = [
+            {
+                "slice": sl,
+                "pos": run.prompt_embeds,
+                "neg": neg,
+                "rollout": run.finish(),
+                "condition": run.condition,
+            }
+            for sl, run in zip(self._micro_slices(len(prompts)), runs)
+        ]
         return {
             "prompts": prompts,
             "images": images,  # each sample's first frame (None for text-to-video)
@@ -480,6 +487,29 @@ class Trainer:
             "chunks": chunks,
             "sde_steps": sde_steps,
         }
+
+    @torch.no_grad()
+    def _sample_expert_at_a_time(self, runs: list) -> None:
+        """Every micro-batch's steps of the high-noise expert with only that expert gathered
+        (``parallel.rollout_unsharded``), then it is resharded and the low-noise expert takes every
+        micro-batch's remaining steps: one expert's full weights on the GPU at a time. Bitwise the
+        same as sampling each micro-batch start to finish (``SamplingRun``)."""
+        cfg, r = self.cfg, self.cfg.rollout
+        experts = self.algorithm.rollout_transformers(self.policy)
+        phases = expert_phases(r.num_steps, r.shift, self.model.boundary_ratio, len(experts))
+        for phase, (e, start, stop) in enumerate(phases):
+            with unsharded_for_rollout(
+                [experts[e]],
+                enabled=cfg.parallel.rollout_unsharded,
+                reshard_after_forward=cfg.parallel.reshard_after_forward,
+            ):
+                desc = f"rollout expert {e + 1}/{len(experts)}"
+                for mb, run in enumerate(self._bar(runs, desc)):
+                    if phase == 0:
+                        maybe_inject_signal(self.rank, self.rollout_index, mb)
+                    if self.stop.requested():  # nothing trained yet: abandon the rollout
+                        raise StopRequested
+                    run.run_steps(experts, start, stop)
 
     def _step_major_order(self, n: int) -> list[int]:
         """The order of this rank's samples, so that consecutive optimizer steps take the same
