@@ -76,6 +76,7 @@ from miles.train.overlap import decode_and_score
 from miles.train.resume import resume_checkpoint
 from miles.train.run_dir import check_run_dir, clear_run_dir
 from miles.train.stop import GracefulStop, StopRequested, maybe_inject_signal
+from miles.train.videos import to_uint8
 
 
 def _maybe_inject_fault(rank: int, step: int) -> None:
@@ -541,6 +542,11 @@ class Trainer:
         g2 = r.guidance_scale if r.guidance_scale_2 is None else r.guidance_scale_2
         return [r.guidance_scale, g2][: len(self.model.transformers)]
 
+    def _logs_videos(self, rollout_index: int) -> bool:
+        """Whether this rank logs the videos of that rollout (rank 0, every ``run.log_video_every``)."""
+        every = self.cfg.run.log_video_every
+        return bool(every) and self.rank == 0 and rollout_index % every == 0
+
     def score(self, batch: dict) -> dict:
         """Decode and reward this rank's share of the micro-batches, then group-normalise.
 
@@ -556,19 +562,23 @@ class Trainer:
         videos, video_prompts, video_rewards = [], [], []
         # A worker scores micro-batch k while this thread decodes k + 1 (miles.train.overlap).
         mine = [chunk for c, chunk in enumerate(batch["chunks"]) if c % sp == sp_rank]
+        # Each video is dropped once scored; rank 0 keeps uint8 CPU copies when this rollout logs videos.
+        logged = self._logs_videos(self.rollout_index)
         results = decode_and_score(
             mine,
             lambda chunk: self.model.decode(chunk["rollout"].final_latents),
             lambda video, chunk: self.rewards(video, *self._score_inputs(batch, chunk["slice"])),
+            lambda video, chunk: [to_uint8(v) for v in video] if logged else None,
         )
-        for chunk, video, (combined, per_reward) in results:
+        for chunk, kept, (combined, per_reward) in results:
             sl = chunk["slice"]
             local[:, sl] = torch.stack([combined, *(per_reward[k] for k in self.rewards.names)]).to(
                 self.device
             )
-            videos.append(video)
-            video_prompts += batch["prompts"][sl]
-            video_rewards += combined.tolist()
+            if kept is not None:
+                videos += kept
+                video_prompts += batch["prompts"][sl]
+                video_rewards += combined.tolist()
         if sp > 1:
             dist.all_reduce(local, group=self.mesh.sp_group)
         gathered = [torch.empty_like(local) for _ in range(self.mesh.dp_size)]
@@ -594,7 +604,7 @@ class Trainer:
             advantages = -advantages
         mine = slice(self.mesh.dp_rank * n, (self.mesh.dp_rank + 1) * n)
         batch.update(
-            videos=torch.cat(videos) if videos else None,  # the micro-batches this rank decoded
+            videos=videos or None,  # (F, H, W, 3) uint8 of the micro-batches this rank decoded, if logged
             video_prompts=video_prompts,
             video_rewards=video_rewards,
             advantages=advantages[mine].to(self.device),
@@ -880,7 +890,6 @@ class Trainer:
         t_reward: float,
         t_train: float,
     ) -> None:
-        cfg = self.cfg
         rewards = batch["reward_all"]
         adv = batch["advantages_all"]
         forwards = self.algorithm.forwards_per_sample(batch)
@@ -922,8 +931,7 @@ class Trainer:
             + "".join(f"{k}={first[k]:.3e} " for k in shown)
             + f"grad_norm={first['grad_norm']:.3e} step_time={t_train / len(step_stats):.2f}s"
         )
-        every = cfg.run.log_video_every
-        if every and self.rank == 0 and self.rollout_index % every == 0 and batch["videos"] is not None:
+        if self._logs_videos(self.rollout_index) and batch["videos"] is not None:
             # rank 0's decoded samples: with sp > 1, every sp-th micro-batch of its dp rank
             self.logger.log_videos(
                 batch["videos"], batch["video_prompts"], batch["video_rewards"], step=self.step
