@@ -55,7 +55,8 @@ from miles.parallel.topology_checks import check_ulysses_within_node, local_worl
 from miles.rewards.from_config import build_configured_rewards
 from miles.rewards.shaping import EvalRewards, shaped_reward
 from miles.rollout.condition import conditions_of
-from miles.rollout.sampler import sample_with_logprob
+from miles.rollout.prompt_cache import PromptCache
+from miles.rollout.sampler import begin_sampling, expert_phases
 from miles.sequence_parallel import apply_sequence_parallel, validate_sp_args
 from miles.train.checkpoint import (
     checkpoint_error_reason,
@@ -83,6 +84,7 @@ from miles.train.overlap import decode_and_score
 from miles.train.resume import resume_checkpoint
 from miles.train.run_dir import check_run_dir, clear_run_dir
 from miles.train.stop import GracefulStop, StopRequested, maybe_inject_signal
+from miles.train.videos import to_uint8
 
 
 def _maybe_inject_fault(rank: int, step: int) -> None:
@@ -158,6 +160,14 @@ class Trainer:
         self._load_inputs()
         # The transformers come as meta skeletons: _parallelize shards them, then loads each rank's shards.
         self.model: WanModel = load_wan(cfg.model, self.device, experts="skeleton", seed=cfg.run.seed)
+        self.prompt_cache = PromptCache(
+            self.model.pipeline,
+            negative_prompt=cfg.data.negative_prompt,
+            max_sequence_length=cfg.data.max_sequence_length,
+            device=self.device,
+            offload=cfg.model.text_encoder_offload,
+            batch_size=cfg.train.micro_batch_size,
+        )
         self.mesh = build_parallel_mesh(self.dims, self.device.type)
         self.sampler = GroupSampler(
             num_prompts=len(self.prompts),
@@ -468,36 +478,23 @@ class Trainer:
         )
         sde_gens = [self._generator(3, self.rollout_index, k) for k in sample_ids]
         dtype = DTYPES[cfg.model.dtype]
-        chunks: list[dict] = []
-        experts = self.algorithm.rollout_transformers(self.policy)
-        with (
-            unsharded_for_rollout(
-                experts,
-                enabled=cfg.parallel.rollout_unsharded,
-                reshard_after_forward=cfg.parallel.reshard_after_forward,
-            ),
-            torch.no_grad(),
-        ):
-            for mb, sl in enumerate(self._bar(self._micro_slices(len(prompts)), "rollout micro-batches")):
-                maybe_inject_signal(self.rank, self.rollout_index, mb)
-                if self.stop.requested():  # nothing trained yet: abandon the rollout
-                    raise StopRequested
-                # Text encoding, sampling and decoding all run on the same fixed micro-batches, so
-                # a sample's numbers do not depend on the layout (or on dp), and training's
-                # recompute sees exactly the rollout's batch composition.
-                pos, neg = self.model.encode_prompts(
-                    prompts[sl], cfg.data.negative_prompt, cfg.data.max_sequence_length, self.device
+        # Each unique prompt is encoded once (CPU rows; the negative once per run), then the
+        # micro-batches are sampled in fixed slices, so a sample's numbers do not depend on the
+        # layout (or on dp), and training's recompute sees exactly the rollout's batch composition.
+        self.prompt_cache.start_rollout(prompts)
+        neg = self.prompt_cache.negative().to(dtype)
+        runs = []
+        for sl in self._micro_slices(len(prompts)):
+            condition = None
+            if self.model.condition_mode is not None:
+                size = dict(num_frames=r.num_frames, height=r.height, width=r.width)
+                condition = conditions_of(
+                    self.model, images[sl], **size, device=self.device, cache=image_cache
                 )
-                condition = None
-                if self.model.condition_mode is not None:
-                    size = dict(num_frames=r.num_frames, height=r.height, width=r.width)
-                    condition = conditions_of(
-                        self.model, images[sl], **size, device=self.device, cache=image_cache
-                    )
-                ro = sample_with_logprob(
-                    experts,
-                    pos.to(dtype),
-                    neg.to(dtype),
+            runs.append(
+                begin_sampling(
+                    self.prompt_cache.embeds(prompts[sl]).to(dtype),
+                    neg,
                     latent_shape,
                     num_steps=r.num_steps,
                     shift=r.shift,
@@ -511,9 +508,20 @@ class Trainer:
                     sde_type=r.sde_type,
                     record_means=self.algorithm.records_means,
                     condition=condition,
+                    device=self.device,
                 )
-                chunk = {"slice": sl, "pos": pos.to(dtype), "neg": neg.to(dtype), "rollout": ro}
-                chunks.append({**chunk, "condition": condition})
+            )
+        self._sample_expert_at_a_time(runs)
+        chunks = [
+            {
+                "slice": sl,
+                "pos": run.prompt_embeds,
+                "neg": neg,
+                "rollout": run.finish(),
+                "condition": run.condition,
+            }
+            for sl, run in zip(self._micro_slices(len(prompts)), runs)
+        ]
         return {
             "prompts": prompts,
             "images": images,  # each sample's first frame (None for text-to-video)
@@ -523,6 +531,29 @@ class Trainer:
             "chunks": chunks,
             "sde_steps": sde_steps,
         }
+
+    @torch.no_grad()
+    def _sample_expert_at_a_time(self, runs: list) -> None:
+        """Every micro-batch's steps of the high-noise expert with only that expert gathered
+        (``parallel.rollout_unsharded``), then it is resharded and the low-noise expert takes every
+        micro-batch's remaining steps: one expert's full weights on the GPU at a time. Bitwise the
+        same as sampling each micro-batch start to finish (``SamplingRun``)."""
+        cfg, r = self.cfg, self.cfg.rollout
+        experts = self.algorithm.rollout_transformers(self.policy)
+        phases = expert_phases(r.num_steps, r.shift, self.model.boundary_ratio, len(experts))
+        for phase, (e, start, stop) in enumerate(phases):
+            with unsharded_for_rollout(
+                [experts[e]],
+                enabled=cfg.parallel.rollout_unsharded,
+                reshard_after_forward=cfg.parallel.reshard_after_forward,
+            ):
+                desc = f"rollout expert {e + 1}/{len(experts)}"
+                for mb, run in enumerate(self._bar(runs, desc)):
+                    if phase == 0:
+                        maybe_inject_signal(self.rank, self.rollout_index, mb)
+                    if self.stop.requested():  # nothing trained yet: abandon the rollout
+                        raise StopRequested
+                    run.run_steps(experts, start, stop)
 
     def _step_major_order(self, n: int) -> list[int]:
         """The order of this rank's samples, so that consecutive optimizer steps take the same
@@ -554,6 +585,11 @@ class Trainer:
         g2 = r.guidance_scale if r.guidance_scale_2 is None else r.guidance_scale_2
         return [r.guidance_scale, g2][: len(self.model.transformers)]
 
+    def _logs_videos(self, rollout_index: int) -> bool:
+        """Whether this rank logs the videos of that rollout (rank 0, every ``run.log_video_every``)."""
+        every = self.cfg.run.log_video_every
+        return bool(every) and self.rank == 0 and rollout_index % every == 0
+
     def score(self, batch: dict) -> dict:
         """Decode and reward this rank's share of the micro-batches, then group-normalise.
 
@@ -569,19 +605,23 @@ class Trainer:
         videos, video_prompts, video_rewards = [], [], []
         # A worker scores micro-batch k while this thread decodes k + 1 (miles.train.overlap).
         mine = [chunk for c, chunk in enumerate(batch["chunks"]) if c % sp == sp_rank]
+        # Each video is dropped once scored; rank 0 keeps uint8 CPU copies when this rollout logs videos.
+        logged = self._logs_videos(self.rollout_index)
         results = decode_and_score(
             mine,
             lambda chunk: self.model.decode(chunk["rollout"].final_latents),
             lambda video, chunk: self.rewards(video, *self._score_inputs(batch, chunk["slice"])),
+            lambda video, chunk: [to_uint8(v) for v in video] if logged else None,
         )
-        for chunk, video, (combined, per_reward) in results:
+        for chunk, kept, (combined, per_reward) in results:
             sl = chunk["slice"]
             local[:, sl] = torch.stack([combined, *(per_reward[k] for k in self.rewards.names)]).to(
                 self.device
             )
-            videos.append(video)
-            video_prompts += batch["prompts"][sl]
-            video_rewards += combined.tolist()
+            if kept is not None:
+                videos += kept
+                video_prompts += batch["prompts"][sl]
+                video_rewards += combined.tolist()
         if sp > 1:
             dist.all_reduce(local, group=self.mesh.sp_group)
         gathered = [torch.empty_like(local) for _ in range(self.mesh.dp_size)]
@@ -607,7 +647,7 @@ class Trainer:
             advantages = -advantages
         mine = slice(self.mesh.dp_rank * n, (self.mesh.dp_rank + 1) * n)
         batch.update(
-            videos=torch.cat(videos) if videos else None,  # the micro-batches this rank decoded
+            videos=videos or None,  # (F, H, W, 3) uint8 of the micro-batches this rank decoded, if logged
             video_prompts=video_prompts,
             video_rewards=video_rewards,
             advantages=advantages[mine].to(self.device),
@@ -893,7 +933,6 @@ class Trainer:
         t_reward: float,
         t_train: float,
     ) -> None:
-        cfg = self.cfg
         rewards = batch["reward_all"]
         adv = batch["advantages_all"]
         forwards = self.algorithm.forwards_per_sample(batch)
@@ -935,8 +974,7 @@ class Trainer:
             + "".join(f"{k}={first[k]:.3e} " for k in shown)
             + f"grad_norm={first['grad_norm']:.3e} step_time={t_train / len(step_stats):.2f}s"
         )
-        every = cfg.run.log_video_every
-        if every and self.rank == 0 and self.rollout_index % every == 0 and batch["videos"] is not None:
+        if self._logs_videos(self.rollout_index) and batch["videos"] is not None:
             # rank 0's decoded samples: with sp > 1, every sp-th micro-batch of its dp rank
             self.logger.log_videos(
                 batch["videos"], batch["video_prompts"], batch["video_rewards"], step=self.step
