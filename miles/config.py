@@ -434,6 +434,7 @@ def validate(cfg: Config) -> None:
         ),
         (cfg.parallel.sequence_parallel_size >= 1, "--sequence-parallel-size must be >= 1"),
         (cfg.parallel.ulysses_degree >= 0, "--ulysses-degree must be >= 0 (0 picks it automatically)"),
+        (cfg.parallel.replicate_size >= 1, "--parallel.replicate-size must be >= 1 (1: plain FSDP, no HSDP)"),
         (bool(cfg.reward.weights), "reward.weights must name at least one reward"),
     ]
     for ok, message in checks:

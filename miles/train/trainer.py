@@ -289,6 +289,7 @@ class Trainer:
             world_size=self.world_size,
             sequence_parallel_size=p.sequence_parallel_size,
             ulysses_degree=ulysses,
+            replicate_size=p.replicate_size,
         )
 
     def _checkpoint_modes(self, transformer: nn.Module) -> list[str]:
