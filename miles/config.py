@@ -71,8 +71,11 @@ class ModelConfig:
     linears too); ``full`` recomputes whole blocks (+1 forward); ``budget`` picks per block to fit
     ``activation_memory_budget_gib``."""
     activation_memory_budget_gib: float = 40.0
-    """With ``activation_checkpointing: budget``: the per-rank GPU memory for training (weights,
-    gradients and optimizer state are subtracted; activations get the rest)."""
+    """With ``activation_checkpointing: budget``: the per-rank TOTAL GPU memory the run promises to
+    stay within, in every phase. Everything resident (weights, gradients, optimizer, EMA, old policy,
+    KL reference, text encoder if not offloaded, VAE, the rollout's gathered expert and decode) and a
+    5% allocator slack are subtracted (``miles/parallel/memory_budget.py``); activations get the rest.
+    A budget the rollout alone cannot meet is refused at startup."""
     compile: Literal["auto", "on", "off"] = "auto"
     """``torch.compile`` each transformer block (fuses Wan's fp32 norm/modulation/RoPE kernels; the
     first step pays the compile time). ``auto``: on CUDA only."""
@@ -434,6 +437,7 @@ def validate(cfg: Config) -> None:
         ),
         (cfg.parallel.sequence_parallel_size >= 1, "--sequence-parallel-size must be >= 1"),
         (cfg.parallel.ulysses_degree >= 0, "--ulysses-degree must be >= 0 (0 picks it automatically)"),
+        (cfg.parallel.replicate_size >= 1, "--parallel.replicate-size must be >= 1 (1: plain FSDP, no HSDP)"),
         (bool(cfg.reward.weights), "reward.weights must name at least one reward"),
     ]
     for ok, message in checks:

@@ -47,9 +47,17 @@ from miles.models.wan import (
     resolve_model_path,
     transformer_config,
 )
-from miles.parallel.checkpointing import checkpoint_modes, fixed_training_bytes
+from miles.parallel.checkpointing import checkpoint_modes
 from miles.parallel.compile import resolve_compile
 from miles.parallel.fsdp import apply_fsdp, unsharded_for_rollout
+from miles.parallel.memory_budget import (
+    ALLOCATOR_SLACK,
+    ResidentMemory,
+    activation_budget,
+    count_sde_steps,
+    model_sizes,
+    rollout_shape,
+)
 from miles.parallel.topology import ParallelDims, build_parallel_mesh, resolve_ulysses_degree
 from miles.parallel.topology_checks import check_ulysses_within_node, local_world_size_from_env
 from miles.rewards.from_config import build_configured_rewards
@@ -308,46 +316,47 @@ class Trainer:
             world_size=self.world_size,
             sequence_parallel_size=p.sequence_parallel_size,
             ulysses_degree=ulysses,
+            replicate_size=p.replicate_size,
         )
 
     def _checkpoint_modes(self, transformer: nn.Module) -> list[str]:
         """Per-block activation checkpointing; ``budget`` calibrates one block on CUDA and fits the
-        activations into what the per-rank budget leaves after weights, gradients and optimizer."""
+        activations into what the per-rank total budget leaves after everything resident
+        (:mod:`miles.parallel.memory_budget`), so that the peak stays within the budget."""
         cfg = self.cfg.model
         n = len(transformer.blocks)
         if cfg.activation_checkpointing != "budget":
             return checkpoint_modes(cfg.activation_checkpointing, n)
+        budget = cfg.activation_memory_budget_gib * 2**30
+        left = activation_budget(budget, self.resident)  # refuses a rollout that cannot fit
         if self.device.type != "cuda":
             return checkpoint_modes("selective", n)
-        block_bytes = calibrate_block_memory(
-            transformer,
-            -(-self.num_tokens // self.dims.sp),
-            self.device,
-            batch=2 * self.cfg.train.micro_batch_size,  # CFG doubles the batch
-            dtype=self.compute_dtype or torch.float32,
-            compiled=self.compile_blocks,
-        )
-        experts = self.model.transformers
-        num_params = sum(p.numel() for t in experts for p in t.parameters())
-        trainable = num_params if cfg.lora_rank == 0 else num_params // 100  # adapters: a rough upper bound
-        # The experts are still meta skeletons here (their shards load after every expert is
-        # sharded): what the GPU holds now is the rest (VAE, a resident text encoder...).
-        other = torch.cuda.memory_allocated(self.device)
-        fixed = fixed_training_bytes(
-            num_params,
-            trainable,
-            self.world_size,
-            sum(p.numel() for p in transformer.blocks[0].parameters()),
-            other,
-        )
-        budget = cfg.activation_memory_budget_gib * 2**30
-        modes = checkpoint_modes("budget", n, budget - fixed, block_bytes)
+        # The calibration's random inputs must not move the RNG the LoRA adapters are drawn from.
+        with torch.random.fork_rng(devices=[self.device]):
+            block_bytes = calibrate_block_memory(
+                transformer,
+                -(-self.num_tokens // self.dims.sp),
+                self.device,
+                batch=2 * self.cfg.train.micro_batch_size,  # CFG doubles the batch
+                dtype=self.compute_dtype or torch.float32,
+                compiled=self.compile_blocks,
+            )
+        modes = checkpoint_modes("budget", n, left, block_bytes)
         print0(
             f"[miles] activation checkpointing for a {cfg.activation_memory_budget_gib} GiB budget "
-            f"({fixed / 2**30:.1f} GiB fixed): "
+            f"({self.resident.train_fixed / 2**30:.1f} GiB resident in training, "
+            f"{self.resident.rollout_peak / 2**30:.1f} GiB rollout peak, {ALLOCATOR_SLACK:.0%} slack): "
             + ", ".join(f"{m} x{modes.count(m)}" for m in dict.fromkeys(modes))
         )
         return modes
+
+    def _resident_memory(self) -> ResidentMemory:
+        """The per-rank resident terms (weights, optimizer, rollout, decode...) of this run, from the
+        loaded modules' parameter counts (LoRA adapters installed, nothing sharded yet)."""
+        pipe = self.model.pipeline
+        sizes = model_sizes(self.model.transformers, pipe.text_encoder, pipe.vae)
+        shape = rollout_shape(self.cfg, self.model, self.dims.sp, count_sde_steps(self.cfg))
+        return ResidentMemory.of(self.cfg, sizes, shape, self.dims.shard)
 
     def _install_sp(self, transformer: nn.Module) -> None:
         plan = self.model.sequence_parallel_plan(transformer) if self.dims.sp > 1 else None
@@ -363,6 +372,8 @@ class Trainer:
         adapters = []
         for transformer in self.model.transformers:
             adapters.append(self._make_trainable(transformer))
+        self.resident = self._resident_memory()
+        for transformer in self.model.transformers:
             transformer.train()
             self._shard(transformer, checkpointing=True, **trained)
         for i, (transformer, sub) in enumerate(zip(self.model.transformers, self._expert_folders())):
