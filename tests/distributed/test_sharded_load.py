@@ -265,3 +265,13 @@ def test_random_init_reads_no_weight_file_and_is_the_same_in_every_layout(tmp_pa
     assert not torch.equal(w1["0.proj_out.weight"], w1["1.proj_out.weight"]), "the two experts are the same"
     base = [k for k in w1 if "lora_" not in k and k.endswith(".weight") and w1[k].dim() == 2]
     assert all(w1[k].std() > 0 for k in base), "a matrix was not drawn"
+    # the whole (unsharded) random load of load_wan(experts="load") gives the same weights
+    from miles.config import ModelConfig
+    from miles.models.sharded_load import file_key
+    from miles.models.wan import load_wan
+
+    whole = load_wan(ModelConfig(path=str(folder), init="random"), torch.device("cpu"), seed=0)
+    for i, t in enumerate(whole.transformers):
+        state = dict(t.named_parameters())
+        for key in (k for k in w1 if k.startswith(f"{i}.") and "lora_" not in k):
+            assert torch.equal(state[file_key(key[2:])], w1[key]), f"whole random load: {key} differs"
