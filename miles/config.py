@@ -60,7 +60,9 @@ class ModelConfig:
     tiny_model_dir: str = ".cache/tiny-wan"
     """Where the embedded tiny models are built (``make tiny-model``)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
-    """Parameter and compute dtype of the transformer(s) in rollout and training (bf16 on GPU)."""
+    """Compute dtype of the transformer(s) in rollout and training (bf16 on GPU). A full fine-tune
+    keeps fp32 master weights (FSDP2 casts them); with LoRA the frozen base is stored in this dtype
+    (and a full fine-tune's KL reference too), the adapters in fp32."""
     text_encoder_dtype: Literal["float32", "bfloat16"] = "float32"
     """dtype of the frozen text encoder."""
     vae_dtype: Literal["float32", "bfloat16"] = "float32"
@@ -89,8 +91,9 @@ class ModelConfig:
     """Module names LoRA adapts."""
     init: Literal["pretrained", "random"] = "pretrained"
     """``pretrained``: load the folder's weights (each rank reads only its own shards of the
-    transformers). ``random``: build every component from its config.json with random weights and
-    read no weight file: for memory rehearsals and benchmarks on config-only folders."""
+    transformers: docs/scale.md). ``random``: build every component from its config.json with random
+    weights and read no weight file: for memory rehearsals and benchmarks on config-only folders
+    (the transformers' weights depend only on ``run.seed``, not on the layout)."""
     text_encoder_offload: bool = True
     """Keep the text encoder on the CPU between encodings (it visits the GPU to encode a rollout's
     new prompts; embeddings are cached on the CPU). False keeps it resident on the GPU."""

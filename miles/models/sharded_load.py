@@ -141,7 +141,9 @@ class WeightFiles:
         self.folder = folder
         self._open: dict[Path, object] = {}
 
-    def read(self, key: str, offset: tuple[int, ...], shape: tuple[int, ...], full_shape, device) -> torch.Tensor:
+    def read(
+        self, key: str, offset: tuple[int, ...], shape: tuple[int, ...], full_shape, device
+    ) -> torch.Tensor:
         """The block ``[offset, offset + shape)`` of tensor ``key`` (global shape ``full_shape``),
         read alone from its file."""
         from safetensors import safe_open
@@ -174,7 +176,9 @@ class RandomInit:
     salt: str = ""  # e.g. the expert's subfolder: two experts get different weights
     block_numel: int = 1 << 20
 
-    def read(self, key: str, offset: tuple[int, ...], shape: tuple[int, ...], full_shape, device) -> torch.Tensor:
+    def read(
+        self, key: str, offset: tuple[int, ...], shape: tuple[int, ...], full_shape, device
+    ) -> torch.Tensor:
         if len(full_shape) < 2:
             value = 0.0 if key.endswith("bias") else 1.0
             return torch.full(shape, value, device=device, dtype=torch.float32)
@@ -200,7 +204,9 @@ def local_block(param: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     if isinstance(param, DTensor):
-        shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+        shape, offset = compute_local_shape_and_global_offset(
+            param.shape, param.device_mesh, param.placements
+        )
         return tuple(shape), tuple(offset)
     return tuple(param.shape), (0,) * param.dim()
 

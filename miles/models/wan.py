@@ -166,7 +166,7 @@ def load_wan(cfg: ModelConfig, device: torch.device, experts: str = "load", seed
     from diffusers import WanImageToVideoPipeline, WanPipeline
 
     from miles.models.i2v import condition_mode, text_pipeline
-    from miles.models.sharded_load import build_skeleton
+    from miles.models.sharded_load import RandomInit, build_skeleton, materialize
 
     if experts not in ("load", "skeleton"):
         raise ValueError(f"experts must be 'load' or 'skeleton', got {experts!r}")
@@ -205,9 +205,8 @@ def load_wan(cfg: ModelConfig, device: torch.device, experts: str = "load", seed
     pipe.vae.to(device).requires_grad_(False).eval()
     transformers = [pipe.transformer] + ([pipe.transformer_2] if pipe.transformer_2 is not None else [])
     if experts == "load" and cfg.init == "random":
-        transformers = [_random_expert(t, s, seed, device) for t, s in zip(transformers, subs)]
-        pipe.transformer = transformers[0]
-        pipe.transformer_2 = transformers[1] if len(transformers) == 2 else None
+        for t, sub in zip(transformers, subs):  # whole experts with the weights every layout gets
+            materialize(t, device, RandomInit(seed=seed, salt=sub))
     elif experts == "load":
         for t in transformers:
             t.to(device)
@@ -221,15 +220,6 @@ def load_wan(cfg: ModelConfig, device: torch.device, experts: str = "load", seed
         image_pipeline=image_pipe,
         text_encoder_offload=cfg.text_encoder_offload,
     )
-
-
-def _random_expert(skeleton: nn.Module, subfolder: str, seed: int, device: torch.device) -> nn.Module:
-    """A whole (unsharded) expert with ``model.init: random``'s weights (those the sharded path
-    gives every layout)."""
-    from miles.models.sharded_load import RandomInit, materialize
-
-    materialize(skeleton, device, RandomInit(seed=seed, salt=subfolder))
-    return skeleton
 
 
 def random_components(path: Path, info: dict, dtypes: dict) -> dict:

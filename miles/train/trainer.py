@@ -38,6 +38,15 @@ from miles.eval import evaluate, summarize, write_eval
 from miles.eval.evaluate import eval_settings, grid_caption
 from miles.grpo.advantages import group_advantages
 from miles.models.i2v import run_condition_mode
+from miles.models.sharded_load import (
+    RandomInit,
+    WeightFiles,
+    add_lora,
+    build_skeleton,
+    cast_frozen,
+    copy_local_shards,
+    materialize,
+)
 from miles.models.wan import (
     DTYPES,
     WanModel,
@@ -78,15 +87,6 @@ from miles.train.checkpoint import (
 from miles.train.ema import EMA
 from miles.train.export import export_pipeline
 from miles.train.logging import MetricsLogger, configure_library_progress, print0, show_progress
-from miles.models.sharded_load import (
-    RandomInit,
-    WeightFiles,
-    add_lora,
-    build_skeleton,
-    cast_frozen,
-    copy_local_shards,
-    materialize,
-)
 from miles.train.old_policy import OldPolicy
 from miles.train.overlap import decode_and_score
 from miles.train.resume import resume_checkpoint
@@ -398,7 +398,9 @@ class Trainer:
     def _expert_folders(self) -> list[str]:
         return ["transformer", "transformer_2"][: len(self.model.transformers)]
 
-    def _sharded_copy(self, i: int, lora: bool, dtype: torch.dtype | None = None, **fsdp_options) -> nn.Module:
+    def _sharded_copy(
+        self, i: int, lora: bool, dtype: torch.dtype | None = None, **fsdp_options
+    ) -> nn.Module:
         """A copy of expert ``i``: a skeleton (with the same adapters when ``lora``), sharded like the
         expert, filled with its local shards (in ``dtype``, default the expert's own dtypes)."""
         copy_ = build_skeleton(self.model.path, self._expert_folders()[i])

@@ -91,7 +91,9 @@ def _compare(name, old, new, lora, dtype):
     for key, p in news.items():
         want = olds[key].full_tensor()
         got = p.full_tensor()
-        frozen_cast = lora and dtype is not None and "lora_" not in key and not keep.intersection(key.split("."))
+        frozen_cast = (
+            lora and dtype is not None and "lora_" not in key and not keep.intersection(key.split("."))
+        )
         assert got.dtype == (dtype if frozen_cast else torch.float32), f"{name}: {key} is {got.dtype}"
         assert p.placements == olds[key].placements, f"{name}: {key} placed unlike the old path"
         assert torch.equal(got, want.to(got.dtype)), f"{name}: {key} differs"
@@ -130,7 +132,10 @@ def _body(rank, world_size, folders, cases):
     for layout, lora, dtype_name, files, sub in cases:
         dtype = {"float32": None, "bfloat16": torch.bfloat16}[dtype_name]
         if layout == "hsdp":
-            sp_mesh, fsdp_mesh = None, init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("rep", "shard"))
+            sp_mesh, fsdp_mesh = (
+                None,
+                init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("rep", "shard")),
+            )
         else:
             sp = int(layout[2:])
             mesh = build_parallel_mesh(ParallelDims(world_size=world_size, sequence_parallel_size=sp), "cpu")
@@ -173,3 +178,100 @@ def test_sharded_load_world4_and_hsdp_are_bitwise_the_whole_load(folders):
         ("hsdp", True, "bfloat16", "sharded", "transformer_2"),
     ]
     run_distributed(_body, 4, folders, cases)
+
+
+def _trainer(out_dir, name, *args):
+    from miles.config import parse_args
+    from miles.train.trainer import Trainer
+
+    cfg, _ = parse_args(
+        ["--config", str(REPO / "configs" / "tiny_cpu.yaml"), "--run.output-dir", out_dir]
+        + ["--run.name", name, "--run.wandb-mode", "disabled", "--run.no-progress", "--train.no-export"]
+        + ["--model.tiny-model-dir", str(TINY), "--data.prompts-per-rank", "1", *args]
+    )
+    return Trainer(cfg)
+
+
+def _assert_copy(name, copy_, policy, dtype=None):
+    """``copy_`` holds the policy's local shards (cast to ``dtype``), placed alike, and computes
+    the same forward."""
+    policies = dict(policy.named_parameters())
+    copies = dict(copy_.named_parameters())
+    assert copies.keys() == policies.keys(), f"{name}: parameter names differ"
+    keep = set(copy_._keep_in_fp32_modules or [])
+    for key, p in copies.items():
+        q = policies[key]
+        assert p.placements == q.placements, f"{name}: {key} placed unlike the policy"
+        want = q.to_local().detach()
+        if dtype is not None and not keep.intersection(key.split(".")):
+            want = want.to(dtype)
+        assert p.to_local().dtype == want.dtype and torch.equal(p.to_local(), want), f"{name}: {key} differs"
+        assert not p.requires_grad, f"{name}: {key} trains"
+    assert torch.equal(_forward(copy_, copy_.config), _forward(policy, policy.config)), (
+        f"{name}: forward differs"
+    )
+
+
+def _copies_body(rank, world_size, out_dir):
+    trainer = _trainer(out_dir, "nft", "--algorithm.name", "diffusion_nft", "--model.lora-rank", "4")
+    assert trainer.reference is None
+    for i, (old, policy) in enumerate(zip(trainer.old_policy.transformers, trainer.model.transformers)):
+        _assert_copy(f"old policy {i}", old, policy)
+    trainer.close()
+    trainer = _trainer(out_dir, "kl", "--grpo.kl-beta", "0.01", "--sequence-parallel-size", "2")
+    assert trainer.old_policy is None and len(trainer.reference) == 2
+    for i, (ref, policy) in enumerate(zip(trainer.reference, trainer.model.transformers)):
+        _assert_copy(f"reference {i}", ref, policy, dtype=trainer.compute_dtype)
+    trainer.close()
+
+
+def test_old_policy_and_kl_reference_are_the_policy_shard_by_shard(tmp_path):
+    run_distributed(_copies_body, 2, str(tmp_path))
+
+
+def _random_body(rank, world_size, folder, out_file, sp):
+    trainer = _trainer(
+        str(Path(out_file).parent), f"random{world_size}", "--model.path", folder, "--model.init", "random",
+        "--sequence-parallel-size", str(sp), "--model.lora-rank", "4",
+    )  # fmt: skip
+    state = {}
+    for i, t in enumerate(trainer.model.transformers):
+        for key, p in t.named_parameters():
+            state[f"{i}.{key}"] = p.full_tensor()
+        assert torch.isfinite(_forward(t, t.config)).all()
+    pos, neg = trainer.model.encode_prompts(["a red ball"], "", 16, "cpu")
+    assert torch.isfinite(pos).all() and torch.isfinite(neg).all()
+    if rank == 0:
+        torch.save(state, out_file)
+    trainer.close()
+
+
+def test_random_init_reads_no_weight_file_and_is_the_same_in_every_layout(tmp_path):
+    from miles.models.tiny import tiny_model_path
+
+    folder = tmp_path / "config-only"
+    shutil.copytree(
+        tiny_model_path(str(TINY), "two_expert"),
+        folder,
+        ignore=shutil.ignore_patterns("*.safetensors*", "*.bin"),
+    )
+    assert not list(folder.rglob("*.safetensors"))
+    run_distributed(_random_body, 2, str(folder), str(tmp_path / "w2.pt"), 2)
+    run_distributed(_random_body, 1, str(folder), str(tmp_path / "w1.pt"), 1)
+    w1, w2 = torch.load(tmp_path / "w1.pt"), torch.load(tmp_path / "w2.pt")
+    assert w1.keys() == w2.keys()
+    for key in w1:
+        assert torch.equal(w1[key], w2[key]), f"{key} depends on the layout"
+    assert not torch.equal(w1["0.proj_out.weight"], w1["1.proj_out.weight"]), "the two experts are the same"
+    base = [k for k in w1 if "lora_" not in k and k.endswith(".weight") and w1[k].dim() == 2]
+    assert all(w1[k].std() > 0 for k in base), "a matrix was not drawn"
+    # the whole (unsharded) random load of load_wan(experts="load") gives the same weights
+    from miles.config import ModelConfig
+    from miles.models.sharded_load import file_key
+    from miles.models.wan import load_wan
+
+    whole = load_wan(ModelConfig(path=str(folder), init="random"), torch.device("cpu"), seed=0)
+    for i, t in enumerate(whole.transformers):
+        state = dict(t.named_parameters())
+        for key in (k for k in w1 if k.startswith(f"{i}.") and "lora_" not in k):
+            assert torch.equal(state[file_key(key[2:])], w1[key]), f"whole random load: {key} differs"
