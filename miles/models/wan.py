@@ -173,6 +173,8 @@ def load_wan(cfg: ModelConfig, device: torch.device) -> WanModel:
     pipe.set_progress_bar_config(disable=True)
     pipe.text_encoder.to(device).requires_grad_(False).eval()
     pipe.vae.to(device).requires_grad_(False).eval()
+    if cfg.vae_tiling:  # diffusers' tiles: 256 px, stride 192 (blended overlaps)
+        pipe.vae.enable_tiling()
     experts = [pipe.transformer] + ([pipe.transformer_2] if pipe.transformer_2 is not None else [])
     for t in experts:
         t.to(device)
