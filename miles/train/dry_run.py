@@ -77,7 +77,14 @@ from miles.data.prompts import (
     load_prompts,
     truncation_warning,
 )
-from miles.models.wan import DTYPES, WanModel, check_wan_folder, read_model_index, resolve_model_path
+from miles.models.wan import (
+    DTYPES,
+    WanModel,
+    check_wan_folder,
+    read_model_index,
+    resolve_model_path,
+    text_encoder_dtype,
+)
 from miles.parallel.compile import resolve_compile
 from miles.parallel.topology import ParallelDims, valid_ulysses_degrees
 from miles.parallel.topology_checks import check_ulysses_within_node, local_world_size_from_env
@@ -501,7 +508,7 @@ def dry_run(
         tcfg.text_dim * b
     )
     frozen = (
-        text_encoder_params * DTYPES[cfg.model.text_encoder_dtype].itemsize
+        text_encoder_params * text_encoder_dtype(cfg.model.text_encoder_dtype, device_type).itemsize
         + vae_params * DTYPES[cfg.model.vae_dtype].itemsize
     )
     mem = {
