@@ -92,9 +92,11 @@ class ModelConfig:
     read no weight file: for memory rehearsals and benchmarks on config-only folders."""
     text_encoder_offload: bool = True
     """Keep the text encoder on the CPU between encodings (it visits the GPU to encode a rollout's
-    new prompts; embeddings are cached on the CPU). False keeps it resident on the GPU."""
+    unique prompts, once per rollout, and the negative prompt, once per run; embeddings are cached
+    on the CPU: ``miles.rollout.prompt_cache``). False keeps it resident on the GPU."""
     vae_tiling: bool = False
-    """Decode videos tile by tile (diffusers' ``enable_tiling``): less decode memory, a little slower."""
+    """Decode videos tile by tile (diffusers' ``enable_tiling``: 256-px tiles, 192-px stride, blended):
+    less decode memory, a little slower, frames close to (not bitwise) the untiled decode."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -117,7 +119,8 @@ class ParallelConfig:
     each group of world/replicate_size ranks. 1: plain FSDP over every rank."""
     rollout_unsharded: bool = True
     """Rollout: gather the parameters once per rollout instead of once per block per denoising
-    step (uses one full copy of the transformer's weights per rank while sampling)."""
+    step. Two experts are gathered one at a time (every micro-batch's high-noise steps, then the
+    low-noise steps), so sampling holds one expert's full weights per rank (docs/rollout_memory.md)."""
 
 
 @dataclasses.dataclass(kw_only=True)
