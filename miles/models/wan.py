@@ -110,6 +110,15 @@ class WanModel:
         return ((video.float() / 2 + 0.5).clamp(0, 1)).permute(0, 2, 1, 3, 4).contiguous()
 
 
+def text_encoder_dtype(name: str, device_type: str) -> torch.dtype:
+    """``model.text_encoder_dtype`` on a device type: ``auto`` is bfloat16 on CUDA, float32 elsewhere."""
+    if name == "auto":
+        return torch.bfloat16 if device_type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"model.text_encoder_dtype must be auto or one of {sorted(DTYPES)}, got {name!r}")
+    return DTYPES[name]
+
+
 def resolve_model_path(cfg: ModelConfig) -> Path:
     if cfg.path is None:
         return tiny_model_path(cfg.tiny_model_dir, cfg.tiny_variant)
@@ -178,7 +187,7 @@ def load_wan(cfg: ModelConfig, device: torch.device, experts: str = "load", seed
     dtypes = {
         "transformer": torch.float32,
         "transformer_2": torch.float32,
-        "text_encoder": DTYPES[cfg.text_encoder_dtype],
+        "text_encoder": text_encoder_dtype(cfg.text_encoder_dtype, torch.device(device).type),
         "vae": DTYPES[cfg.vae_dtype],
         "default": torch.float32,
     }
@@ -203,6 +212,8 @@ def load_wan(cfg: ModelConfig, device: torch.device, experts: str = "load", seed
     if not cfg.text_encoder_offload:
         pipe.text_encoder.to(device)
     pipe.vae.to(device).requires_grad_(False).eval()
+    if cfg.vae_tiling:  # diffusers' tiles: 256 px, stride 192 (blended overlaps)
+        pipe.vae.enable_tiling()
     transformers = [pipe.transformer] + ([pipe.transformer_2] if pipe.transformer_2 is not None else [])
     if experts == "load" and cfg.init == "random":
         for t, sub in zip(transformers, subs):  # whole experts with the weights every layout gets

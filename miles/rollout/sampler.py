@@ -21,6 +21,11 @@ recompute equals the rollout's log-prob bit for bit (fp32, CPU).
 - Wan2.2 experts: ``transformers[0]`` (``transformer``, high noise) runs while
   t >= boundary_ratio·1000, ``transformers[1]`` (``transformer_2``) below — WanPipeline's rule.
 
+Sampling can run in pieces: ``begin_sampling`` → ``SamplingRun.run_steps(transformers, i, j)``
+→ ``SamplingRun.finish()`` is bitwise ``sample_with_logprob``; ``expert_phases`` gives each
+expert's steps, so a trainer can run every micro-batch's high-noise steps with only that expert
+gathered, then the low-noise ones (docs/rollout_memory.md).
+
 Image-to-video (``condition``, ``miles.rollout.condition``): the condition builds the model
 input (channel concatenation, or the clean first frame with per-token timestep 0) and carries
 the image embeddings; it is the same at every step. With a first-frame condition the sampler's

@@ -897,14 +897,16 @@ class Trainer:
             return
         t0 = time.perf_counter()
         settings = eval_settings(cfg, self.model)
-        with (
-            self._averaged(),
-            unsharded_for_rollout(
-                self.model.transformers,
+        self.prompt_cache.prepare(self.eval_prompts)  # one encoder visit for every held-out prompt
+
+        def gather(experts):
+            return unsharded_for_rollout(
+                experts,
                 enabled=cfg.parallel.rollout_unsharded,
                 reshard_after_forward=cfg.parallel.reshard_after_forward,
-            ),
-        ):
+            )
+
+        with self._averaged():
             result = evaluate(
                 self.model,
                 EvalRewards(self.rewards, self.gold_rewards),
@@ -919,6 +921,8 @@ class Trainer:
                 dp_group=self.mesh.dp_group,
                 keep_videos=self.rank == 0 and cfg.eval.log_videos,
                 images=self.eval_images,
+                encode=lambda texts: (self.prompt_cache.embeds(texts), self.prompt_cache.negative()),
+                gather=gather,
             )
         metrics = {
             **summarize(result),

@@ -111,3 +111,16 @@ def test_bad_input():
         PromptCache(
             _StubPipeline("cpu"), negative_prompt="", max_sequence_length=3, device="cpu", offload=True
         ).embeds([])
+
+
+def test_text_encoder_dtype_auto_is_bf16_on_cuda_only(model):
+    from miles.models.wan import text_encoder_dtype
+
+    assert ModelConfig().text_encoder_dtype == "auto"
+    assert text_encoder_dtype("auto", "cuda") == torch.bfloat16
+    assert text_encoder_dtype("auto", "cpu") == torch.float32  # the tiny models' fp32 numerics
+    assert text_encoder_dtype("float32", "cuda") == torch.float32
+    assert text_encoder_dtype("bfloat16", "cpu") == torch.bfloat16
+    assert model.pipeline.text_encoder.dtype == torch.float32  # loaded with the default on the CPU
+    with pytest.raises(ValueError, match="text_encoder_dtype"):
+        text_encoder_dtype("fp8", "cuda")
