@@ -243,3 +243,23 @@ def test_budget_refusals_name_the_fix():
         activation_budget(20 * GIB, heavy)
     with pytest.raises(MemoryBudgetError, match="must be > 0"):
         activation_budget(0.0, heavy)
+
+
+def _trainer_refuses_body(rank: int, world_size: int, out_dir: str) -> None:
+    from miles.train.trainer import Trainer
+
+    cfg, _ = parse_args(
+        [*TINY, "--run.output-dir", out_dir, "--run.wandb-mode", "disabled"]
+        + ["--model.activation-checkpointing", "budget", "--model.activation-memory-budget-gib", "0.001"]
+    )
+    with pytest.raises(MemoryBudgetError, match="the rollout alone needs .* but the budget of 0.001 GiB"):
+        Trainer(cfg)
+
+
+@pytest.mark.distributed
+def test_trainer_refuses_a_budget_the_rollout_cannot_meet(tmp_path):
+    """The real Trainer (1 gloo rank, the tiny model) refuses at startup, before any rollout."""
+    from tests.dist_utils import run_distributed
+
+    run_distributed(_trainer_refuses_body, 1, str(tmp_path))
+    assert not list(tmp_path.rglob("metrics.jsonl"))
