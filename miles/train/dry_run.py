@@ -753,7 +753,7 @@ def format_report(rep: dict[str, Any]) -> str:
         f"          largest block {_n(par['largest_block'])}, outside blocks {_n(par['outside_blocks'])}; "
         f"frozen: text encoder {_n(par['text_encoder']) if par['text_encoder'] else 'n/a'}, "
         f"VAE {_n(par['vae'])}",
-        f"memory    per rank, GiB (an estimate; {par['dtype']} parameters; formulas in miles/train/dry_run.py)",
+        f"memory    per rank, GiB (an estimate; {par['dtype']} compute; formulas in miles/parallel/memory_budget.py)",
     ]
     labels = [
         ("params", f"weights (fp32 masters; sharded / {mesh['shard']})"),

@@ -412,3 +412,21 @@ def test_dry_run_reports_prompts_and_warnings(tmp_path):
         for w in rep["warnings"]
     ), rep["warnings"]
     assert not any("longer than" in w for w in _plan(TINY)["warnings"])
+
+
+def test_hsdp_divides_the_sharded_state_by_the_shard_group():
+    plain = _plan([*TINY, "--world-size", "8", "--sequence-parallel-size", "2"])
+    hsdp = _plan(
+        [*TINY, "--world-size", "8", "--sequence-parallel-size", "2", "--parallel.replicate-size", "2"]
+    )
+    assert (hsdp["mesh"]["replicate"], hsdp["mesh"]["shard"]) == (2, 4)
+    assert hsdp["mesh"]["shard_groups"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert hsdp["mesh"]["dp"] == plain["mesh"]["dp"] == 4  # data parallelism is unchanged
+    n = plain["params"]["transformer"]
+    assert plain["memory_gib"]["params"] == pytest.approx(4 * n / 8 / 2**30)
+    for key in ("params", "grads", "optimizer"):
+        assert hsdp["memory_gib"][key] == pytest.approx(2 * plain["memory_gib"][key]), key
+    for key in ("gathered_in_flight", "rollout_unsharded", "decode", "vae"):
+        assert hsdp["memory_gib"][key] == pytest.approx(plain["memory_gib"][key]), key
+    with pytest.raises(DryRunError, match="do not hold whole sequence-parallel groups"):
+        _plan([*TINY, "--world-size", "8", "--sequence-parallel-size", "4", "--parallel.replicate-size", "4"])
