@@ -10,7 +10,7 @@ real configs (``bench/real_configs.py``: the 1.3B transformer, UMT5-XXL, the Wan
 ``activation_memory_budget_gib`` 100, UMT5-XXL resident (``text_encoder_offload`` off), 3
 rollouts (the first is the warm-up: compile, cudnn plans). Rewards: ``jpeg_incompressibility``,
 then ``pickscore`` with a PickScore-sized CLIP (ViT-H-14 vision tower, 1024-wide text tower,
-random weights, built and saved under ``--out``). Each reward runs in its own process.
+random weights, built and saved under ``--work``, default ``OUT/work``). Each reward runs in its own process.
 
 Phases are timed around the trainer's own methods (``bench/probes.py``): rollout, decode+reward
 (``Trainer.score``), train (``Trainer.train_on``), with the peak GPU memory of each. Model FLOPs
@@ -89,7 +89,7 @@ def pickscore_sized_clip(path: Path, tiny: bool = False) -> Path:
 
 
 def build_config(args, reward: str, model_path: Path, clip_path: Path | None):
-    from bench.memory_rehearsal import set_fields
+    from bench.memory_rehearsal import sde_window_fields, set_fields
     from miles.config import parse_args
 
     cfg, _ = parse_args(["--config", str(ROOT / "configs" / "wan2_1_t2v_1_3b.yaml")])
@@ -107,15 +107,14 @@ def build_config(args, reward: str, model_path: Path, clip_path: Path | None):
         "rollout.height": height,
         "rollout.width": width,
         "rollout.num_steps": args.num_steps,
-        "rollout.sde_window_size": args.sde_window,
-        "rollout.sde_window_range": [0, max(args.num_steps // 2, args.sde_window)],
+        **sde_window_fields(args.num_steps, args.sde_window, 0, args.num_steps // 2),
         "train.num_rollouts": args.rollouts,
         "train.checkpoint_every": 0,
         "train.resume": False,
         "train.overwrite": True,
         "train.export": False,
         "eval.prompt_file": None,
-        "run.output_dir": str(args.out / "runs"),
+        "run.output_dir": str(args.work / "runs"),
         "run.name": reward,
         "run.wandb_mode": "disabled",
         "run.log_video_every": 0,
@@ -285,6 +284,7 @@ def markdown(results: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--work", type=Path, default=None, help="model folders and run dirs (default: OUT/work)")
     ap.add_argument("--model", default="wan2.1-t2v-1.3b", help="a bench/real_configs.py model (or tiny)")
     ap.add_argument("--shape", type=int, nargs=3, default=[81, 480, 832], metavar=("FRAMES", "H", "W"))
     ap.add_argument("--num-steps", type=int, default=10)
@@ -296,6 +296,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--reward", choices=["jpeg", "pickscore"], help=argparse.SUPPRESS)  # one, in this process
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    args.work = args.work or args.out / "work"
     if args.reward:
         result = run_one(args, args.reward)
         (args.out / f"{args.reward}.json").write_text(json.dumps(result, indent=2) + "\n")

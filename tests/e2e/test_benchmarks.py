@@ -85,7 +85,7 @@ def test_rehearsal_runs_the_trainers_whole_path(rehearsal):
             p["wall_s"] >= 0 and p["host_rss_gib"] > 0 and p["host_rss_peak_gib"] >= p["host_rss_gib"] * 0.99
         )
     assert (r["world_size"], r["dp"], r["sp"], r["ulysses"], r["ring"]) == (4, 2, 2, 2, 1)
-    run = out / "runs" / "tiny"
+    run = out / "work" / "runs" / "tiny"
     assert (run / "checkpoints" / "step_000001").is_dir()
     assert (run / "export" / "pipeline" / "model_index.json").is_file()
     assert (out / "tiny.md").read_text().count("|") > 20
@@ -96,7 +96,7 @@ def test_rehearsal_compares_with_the_dry_run(rehearsal):
     from bench.memory_rehearsal import CASES, build_config
     from miles.train.dry_run import dry_run
 
-    cfg = build_config(CASES["tiny"], out / "models" / "tiny", out, "tiny")
+    cfg = build_config(CASES["tiny"], out / "work" / "models" / "tiny", out / "work", "tiny")
     assert cfg.model.init == "random" and cfg.train.num_rollouts == 1 and cfg.grpo.kl_beta > 0
     mem = dry_run(cfg, world_size=4, local_world_size=4, device_type="cpu", verbose=False)["memory_gib"]
     assert mem == r["dry_run_memory_gib"]  # the same config's dry run
@@ -120,6 +120,20 @@ def test_compare_ratio_is_measured_over_estimate():
     assert rows["rollout"]["ratio"] == 30.0 / 40.0
     assert rows["train"]["measured_gib"] == 66.0 and rows["train"]["ratio"] == 66.0 / 60.0
     assert rows["whole run"]["measured_gib"] == 70.0 and rows["whole run"]["ratio"] == 70.0 / 60.0
+
+
+def test_sde_window_fits_a_shortened_rollout():
+    from bench.memory_rehearsal import sde_window_fields
+    from miles.rollout.sampler import sde_step_indices
+
+    for n, size, lo, hi in [(10, 4, 0, 20), (40, 4, 0, 20), (2, 2, 0, 10), (10, 2, 0, 5)]:
+        f = sde_window_fields(n, size, lo, hi)
+        w, rng = f["rollout.sde_window_size"], tuple(f["rollout.sde_window_range"])
+        assert sde_step_indices(n, sde_window_size=w, sde_window_start_range=rng)  # accepted
+    assert sde_window_fields(40, 4, 0, 20) == {
+        "rollout.sde_window_size": 4,
+        "rollout.sde_window_range": [0, 20],
+    }
 
 
 def _padded(numel_dim0: int, rest: int, world: int) -> tuple[int, int]:
