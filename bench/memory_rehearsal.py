@@ -172,13 +172,13 @@ def _install_probes(probes) -> None:
         trainer_mod.load_wan = random_load_wan
         trainer_mod.export_pipeline = _random_base_export(trainer_mod.export_pipeline)
     Trainer = trainer_mod.Trainer
-    probes.wrap(trainer_mod, "load_wan", "load")
+    probes.wrap(trainer_mod, "load_wan", "load", missing_ok=True)
     probes.wrap(Trainer, "_parallelize", "shard")
     probes.wrap(Trainer, "rollout", "rollout")
     probes.wrap(Trainer, "score", "decode+reward")
     probes.wrap(Trainer, "train_on", "train")
     probes.wrap(Trainer, "save", "checkpoint")
-    probes.wrap(trainer_mod, "export_pipeline", "export")
+    probes.wrap(trainer_mod, "export_pipeline", "export", missing_ok=True)
 
 
 def _random_base_export(export):
