@@ -314,6 +314,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--cases", nargs="+", default=list(GPU_CASES), choices=sorted(CASES))
     ap.add_argument("--case", choices=sorted(CASES), help="run this one case in this process")
+    ap.add_argument("--work", type=Path, default=None, help="model folders and run dirs (default: OUT/work)")
+    ap.add_argument("--no-export", action="store_true", help="skip the export phase")
     ap.add_argument(
         "--num-steps", type=int, default=None, help="rollout denoising steps (default: the recipe's)"
     )
