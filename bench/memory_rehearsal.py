@@ -22,7 +22,9 @@ not memory):
 - ``ti2v-5b``: Wan2.2-TI2V-5B full fine-tune, 81x704x1280, world 8 = dp 2 x sp 4;
 - ``tiny``: the tiny two-expert model with KL, world 4 = dp 2 x sp 2, on CPU in seconds (tests).
 
-Writes ``<case>.json`` and ``<case>.md`` per case and ``rehearsal.md`` (all cases) to ``--out``.
+Writes ``<case>.json`` and ``<case>.md`` per case and ``rehearsal.md`` (all cases) to ``--out``;
+the config-only model folders and the run directories (checkpoint, export) go to ``--work``
+(default ``OUT/work``). ``--no-export`` skips the export phase.
 """
 
 from __future__ import annotations
@@ -81,7 +83,17 @@ def set_fields(cfg, fields: dict):
     )
 
 
-def build_config(case: Case, model_path: Path, out: Path, name: str, num_steps: int | None = None):
+def sde_window_fields(num_steps: int, size: int, lo: int, hi: int) -> dict:
+    """An SDE window of at most ``size`` steps and a start range [lo, hi) clipped to ``num_steps``
+    (the sampler's rule: hi - 1 + size <= num_steps - 1)."""
+    size = min(size, num_steps - 1)
+    hi = max(1, min(hi, num_steps - size))
+    return {"rollout.sde_window_size": size, "rollout.sde_window_range": [min(lo, hi - 1), hi]}
+
+
+def build_config(
+    case: Case, model_path: Path, work: Path, name: str, num_steps: int | None = None, export: bool = True
+):
     """The recipe with the rehearsal's settings: config-only model with random weights, one rollout of
     one prompt group (2 samples, micro-batch 1), one train step, checkpoint and export; no eval,
     no videos, no wandb; the jpeg reward (no reward weights to load)."""
@@ -101,9 +113,9 @@ def build_config(case: Case, model_path: Path, out: Path, name: str, num_steps: 
         "train.checkpoint_every": 0,
         "train.resume": False,
         "train.overwrite": True,
-        "train.export": True,
+        "train.export": export,
         "eval.prompt_file": None,
-        "run.output_dir": str(out / "runs"),
+        "run.output_dir": str(work / "runs"),
         "run.name": name,
         "run.wandb_mode": "disabled",
         "run.log_video_every": 0,
@@ -116,9 +128,9 @@ def build_config(case: Case, model_path: Path, out: Path, name: str, num_steps: 
     if num_steps is not None:
         fields["rollout.num_steps"] = num_steps
         if cfg.rollout.sde_window_size:
-            lo, hi = cfg.rollout.sde_window_range
-            fields["rollout.sde_window_range"] = [min(lo, num_steps - 1), min(hi, num_steps)]
-            fields["rollout.sde_window_size"] = min(cfg.rollout.sde_window_size, num_steps)
+            fields.update(
+                sde_window_fields(num_steps, cfg.rollout.sde_window_size, *cfg.rollout.sde_window_range)
+            )
     return set_fields(cfg, fields)
 
 
@@ -160,13 +172,13 @@ def _install_probes(probes) -> None:
         trainer_mod.load_wan = random_load_wan
         trainer_mod.export_pipeline = _random_base_export(trainer_mod.export_pipeline)
     Trainer = trainer_mod.Trainer
-    probes.wrap(trainer_mod, "load_wan", "load")
+    probes.wrap(trainer_mod, "load_wan", "load", missing_ok=True)
     probes.wrap(Trainer, "_parallelize", "shard")
     probes.wrap(Trainer, "rollout", "rollout")
     probes.wrap(Trainer, "score", "decode+reward")
     probes.wrap(Trainer, "train_on", "train")
     probes.wrap(Trainer, "save", "checkpoint")
-    probes.wrap(trainer_mod, "export_pipeline", "export")
+    probes.wrap(trainer_mod, "export_pipeline", "export", missing_ok=True)
 
 
 def _random_base_export(export):
@@ -189,7 +201,7 @@ def _random_base_export(export):
     return wrapped
 
 
-def run_case(name: str, out: Path, num_steps: int | None = None) -> dict:
+def run_case(name: str, work: Path, num_steps: int | None = None, export: bool = True) -> dict:
     """Rehearse one case in this process (which must not have torch.distributed initialised)."""
     import torch
 
@@ -199,8 +211,8 @@ def run_case(name: str, out: Path, num_steps: int | None = None) -> dict:
     from miles.train.dry_run import dry_run
 
     case = CASES[name]
-    folder = write_config_folder(case.model, out / "models" / case.model)
-    cfg = build_config(case, folder, out, name, num_steps)
+    folder = write_config_folder(case.model, work / "models" / case.model)
+    cfg = build_config(case, folder, work, name, num_steps, export)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     estimate = dry_run(
         cfg,
@@ -282,13 +294,11 @@ def case_markdown(r: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run_cases_in_subprocesses(names: list[str], out: Path, num_steps: int | None) -> list[dict]:
+def run_cases_in_subprocesses(names: list[str], out: Path, argv: list[str]) -> list[dict]:
     """Each case in its own process (one fake world per process); a failed case is reported, not fatal."""
     results = []
     for name in names:
-        cmd = [sys.executable, __file__, "--out", str(out), "--case", name]
-        if num_steps is not None:
-            cmd += ["--num-steps", str(num_steps)]
+        cmd = [sys.executable, __file__, *argv, "--case", name]
         print(f"[rehearsal] {name}: {' '.join(cmd)}", flush=True)
         rc = subprocess.run(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode
         path = out / f"{name}.json"
@@ -304,6 +314,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--cases", nargs="+", default=list(GPU_CASES), choices=sorted(CASES))
     ap.add_argument("--case", choices=sorted(CASES), help="run this one case in this process")
+    ap.add_argument("--work", type=Path, default=None, help="model folders and run dirs (default: OUT/work)")
+    ap.add_argument("--no-export", action="store_true", help="skip the export phase")
     ap.add_argument(
         "--num-steps", type=int, default=None, help="rollout denoising steps (default: the recipe's)"
     )
@@ -319,13 +331,18 @@ def main() -> None:
     if rest:
         ap.error(f"unrecognized arguments: {' '.join(rest)}")
     args.out.mkdir(parents=True, exist_ok=True)
+    work = args.work or args.out / "work"
     if args.case:
-        result = run_case(args.case, args.out, args.num_steps)
+        result = run_case(args.case, work, args.num_steps, not args.no_export)
         (args.out / f"{args.case}.json").write_text(json.dumps(result, indent=2) + "\n")
         (args.out / f"{args.case}.md").write_text(case_markdown(result))
         print(case_markdown(result), flush=True)
         return
-    results = run_cases_in_subprocesses(args.cases, args.out, args.num_steps)
+    argv = ["--out", str(args.out), "--work", str(work)]
+    argv += (["--num-steps", str(args.num_steps)] if args.num_steps else []) + (
+        ["--no-export"] if args.no_export else []
+    )
+    results = run_cases_in_subprocesses(args.cases, args.out, argv)
     text = "\n".join(
         case_markdown(r) if "error" not in r else f"### {r['case']}: failed ({r['error']})\n" for r in results
     )

@@ -85,8 +85,12 @@ class Probes:
                 self._merge(self._stack[-1]["carried"], peaks)
             self.phases.append(row)
 
-    def wrap(self, obj, attr: str, name: str) -> None:
-        """Run ``obj.attr`` inside ``phase(name)`` from now on."""
+    def wrap(self, obj, attr: str, name: str, missing_ok: bool = False) -> bool:
+        """Run ``obj.attr`` inside ``phase(name)`` from now on; False (nothing wrapped) when ``obj``
+        has no ``attr`` and ``missing_ok`` (a trainer whose phase method was renamed)."""
+        if missing_ok and not hasattr(obj, attr):
+            print(f"[probes] {getattr(obj, '__name__', obj)}.{attr} not found: phase {name!r} not probed")
+            return False
         fn = getattr(obj, attr)
 
         @functools.wraps(fn)
@@ -95,6 +99,7 @@ class Probes:
                 return fn(*args, **kwargs)
 
         setattr(obj, attr, wrapped)
+        return True
 
     def peak(self, key: str, phases: list[str] | None = None) -> float | None:
         values = [p[key] for p in self.phases if key in p and (phases is None or p["phase"] in phases)]
