@@ -69,6 +69,7 @@ from miles.train.checkpoint import (
 )
 from miles.train.ema import EMA
 from miles.train.export import export_pipeline
+from miles.train.fingerprint import model_fingerprint
 from miles.train.logging import MetricsLogger, configure_library_progress, print0, show_progress
 from miles.train.old_policy import OldPolicy
 from miles.train.overlap import decode_and_score
@@ -149,6 +150,8 @@ class Trainer:
         self._check_layout()
         self._load_inputs()
         self.model: WanModel = load_wan(cfg.model, self.device)
+        # Saved with every (lean) checkpoint: a resume re-reads the frozen weights from this folder.
+        self.model_fingerprint = model_fingerprint(self.model.path)
         self.mesh = build_parallel_mesh(self.dims, self.device.type)
         self.sampler = GroupSampler(
             num_prompts=len(self.prompts),
@@ -659,6 +662,7 @@ class Trainer:
             "dp": self.dims.dp,
             "sp": self.dims.sp,
             "config": dataclasses.asdict(self.cfg),
+            "model_fingerprint": self.model_fingerprint,
         }
 
     def save(self) -> None:
