@@ -222,6 +222,9 @@ def load_checkpoint(
         for name, obj in (("ema", ema), ("old_policy", old_policy))
         if obj is not None and has_state(path, name)
     }
+    # Read before the collective load: once every rank has passed it, rank 0 may save this step
+    # again (removing the folder) while another rank would still be reading.
+    trainer_state = json.loads((path / "trainer.json").read_text())
     state = _model_state(models, optimizer, **extras)
     dcp.load(state, checkpoint_id=str(path))
     set_state_dict(
@@ -233,7 +236,7 @@ def load_checkpoint(
     )
     for name, obj in extras.items():
         obj.load_state_dict(state[name])
-    return json.loads((path / "trainer.json").read_text())
+    return trainer_state
 
 
 def weights_digest(models: nn.Module) -> str | None:
