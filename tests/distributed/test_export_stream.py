@@ -49,7 +49,15 @@ def _trainer(out_dir: Path, model: Path, name: str, *flags: str):
 
     cfg, _ = parse_args(
         ["--config", str(REPO / "configs" / "tiny_cpu.yaml"), "--run.output-dir", str(out_dir)]
-        + ["--run.name", name, "--run.wandb-mode", "disabled", "--run.no-progress", "--model.path", str(model)]
+        + [
+            "--run.name",
+            name,
+            "--run.wandb-mode",
+            "disabled",
+            "--run.no-progress",
+            "--model.path",
+            str(model),
+        ]
         + ["--train.no-export", *flags]
     )
     return T.Trainer(cfg)

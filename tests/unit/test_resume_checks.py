@@ -74,8 +74,12 @@ def _folder(root: Path, weights: dict) -> Path:
     from safetensors.torch import save_file
 
     (root / "transformer").mkdir(parents=True)
-    (root / "model_index.json").write_text(json.dumps({"_class_name": "WanPipeline", "transformer": ["d", "W"]}))
-    (root / "transformer" / "config.json").write_text(json.dumps({"_diffusers_version": "0.1", "num_layers": 2}))
+    (root / "model_index.json").write_text(
+        json.dumps({"_class_name": "WanPipeline", "transformer": ["d", "W"]})
+    )
+    (root / "transformer" / "config.json").write_text(
+        json.dumps({"_diffusers_version": "0.1", "num_layers": 2})
+    )
     save_file({k: torch.zeros(v) for k, v in weights.items()}, root / "transformer" / "w.safetensors")
     return root
 
