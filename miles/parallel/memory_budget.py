@@ -18,8 +18,10 @@ micro batch x 2 with CFG, T = tokens per sp rank, D / F = hidden / FFN size.
     optimizer        8·N_t/S                       AdamW exp_avg + exp_avg_sq (fp32)
     ema              4·N_t/S                       ``train.ema_decay`` > 0: fp32 shadow of the shards
     old_policy       = weights                     DiffusionNFT's old policy: a sharded copy
-    reference        4·N/S                         full fine-tune with a KL term (LoRA: adapters off)
+    reference        c·N/S                         full fine-tune with a KL term, frozen in the compute
+                                                   dtype (LoRA: adapters off, no copy)
     text_encoder     its params x its dtype        only when ``model.text_encoder_offload`` is False
+    encode_visit     its params x its dtype        offloaded: the encoder on the GPU while it encodes
     vae              its params x its dtype
     buffers          2·samples·K·latent·4 + 2·samples·L_text·text_dim·c   (stored SDE latents, prompts)
     gathered_train   (root + 2 blocks)·c           FSDP's current + prefetched unit (whole expert when
@@ -38,7 +40,7 @@ micro batch x 2 with CFG, T = tokens per sp rank, D / F = hidden / FFN size.
 
     persistent    = weights + optimizer + ema + old_policy + reference + text_encoder + vae + buffers
     train peak    = persistent + grads + gathered_train + activations        (+ slack <= budget)
-    rollout peak  = persistent + max(gathered_rollout + rollout_workspace, decode_workspace)
+    rollout peak  = persistent + max(gathered_rollout + rollout_workspace, decode_workspace, encode_visit)
 
 Assumptions about the rest of the trainer (issue 16): sharded loading (no unsharded fp32 copy after
 startup), the rollout gathers one expert at a time, decoded videos leave the GPU as uint8, and the
@@ -180,7 +182,7 @@ class ResidentMemory:
             optimizer=8 * trainable / S,
             ema=4 * trainable / S if cfg.train.ema_decay > 0 else 0.0,
             old_policy=weights if algorithm.uses_old_policy else 0.0,
-            reference=4 * N / S if algorithm.uses_reference and not lora else 0.0,
+            reference=c * N / S if algorithm.uses_reference and not lora else 0.0,  # frozen, compute dtype
             text_encoder=0.0 if m.text_encoder_offload else text_encoder,
             encode_visit=text_encoder if m.text_encoder_offload else 0.0,
             vae=sizes.vae_params * _DTYPE_BYTES[m.vae_dtype],
