@@ -66,7 +66,7 @@ __all__ = [
 
 GIB = 2**30
 ALLOCATOR_SLACK = 0.05  # of the budget: fragmentation, kernel workspaces, communication buffers
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 2}  # text encoder auto: bf16 on CUDA
 _VAE_LIVE_TENSORS = 6  # full-resolution tensors alive at once in the last decoder stage (rough)
 _VAE_TILE = 256  # diffusers' AutoencoderKLWan tile_sample_min_height/width
 
@@ -124,6 +124,7 @@ class ResidentMemory:
     gathered_rollout: float = 0.0
     rollout_workspace: float = 0.0
     decode_workspace: float = 0.0
+    encode_visit: float = 0.0  # an offloaded text encoder on the GPU while it encodes (experts sharded)
 
     @property
     def persistent(self) -> float:
@@ -147,7 +148,9 @@ class ResidentMemory:
     @property
     def rollout_peak(self) -> float:
         """The rollout phase's peak (sampling, then decoding with the experts resharded)."""
-        return self.persistent + max(self.gathered_rollout + self.rollout_workspace, self.decode_workspace)
+        return self.persistent + max(
+            self.gathered_rollout + self.rollout_workspace, self.decode_workspace, self.encode_visit
+        )
 
     def as_gib(self) -> dict[str, float]:
         return {f.name: getattr(self, f.name) / GIB for f in fields(self)}
@@ -167,6 +170,7 @@ class ResidentMemory:
         lora = m.lora_rank > 0
         trainable = sizes.lora_params if lora else N
         weights = (c * N + 4 * trainable) / S if lora else 4 * N / S
+        text_encoder = sizes.text_encoder_params * _DTYPE_BYTES[m.text_encoder_dtype]
         in_flight = (sizes.outside_blocks + 2 * sizes.largest_block) * c
         if not p.reshard_after_forward:
             in_flight = max(sizes.expert_params) * c
@@ -177,9 +181,8 @@ class ResidentMemory:
             ema=4 * trainable / S if cfg.train.ema_decay > 0 else 0.0,
             old_policy=weights if algorithm.uses_old_policy else 0.0,
             reference=4 * N / S if algorithm.uses_reference and not lora else 0.0,
-            text_encoder=0.0
-            if m.text_encoder_offload
-            else sizes.text_encoder_params * _DTYPE_BYTES[m.text_encoder_dtype],
+            text_encoder=0.0 if m.text_encoder_offload else text_encoder,
+            encode_visit=text_encoder if m.text_encoder_offload else 0.0,
             vae=sizes.vae_params * _DTYPE_BYTES[m.vae_dtype],
             buffers=_buffer_bytes(shape, sizes.text_dim, c),
             gathered_train=in_flight,

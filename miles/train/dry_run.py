@@ -73,7 +73,14 @@ from miles.data.prompts import (
     load_prompts,
     truncation_warning,
 )
-from miles.models.wan import DTYPES, WanModel, check_wan_folder, read_model_index, resolve_model_path
+from miles.models.wan import (
+    DTYPES,
+    WanModel,
+    check_wan_folder,
+    read_model_index,
+    resolve_model_path,
+    text_encoder_dtype,
+)
 from miles.parallel.compile import resolve_compile
 from miles.parallel.memory_budget import (
     ALLOCATOR_SLACK,

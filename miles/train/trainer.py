@@ -12,7 +12,6 @@ gradient of the clipped-ratio loss over those steps (Flow-GRPO).
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import math
 import os
@@ -39,6 +38,15 @@ from miles.eval import evaluate, summarize, write_eval
 from miles.eval.evaluate import eval_settings, grid_caption
 from miles.grpo.advantages import group_advantages
 from miles.models.i2v import run_condition_mode
+from miles.models.sharded_load import (
+    RandomInit,
+    WeightFiles,
+    add_lora,
+    build_skeleton,
+    cast_frozen,
+    copy_local_shards,
+    materialize,
+)
 from miles.models.wan import (
     DTYPES,
     WanModel,
@@ -64,7 +72,8 @@ from miles.parallel.topology_checks import check_ulysses_within_node, local_worl
 from miles.rewards.from_config import build_configured_rewards
 from miles.rewards.shaping import EvalRewards, shaped_reward
 from miles.rollout.condition import conditions_of
-from miles.rollout.sampler import sample_with_logprob
+from miles.rollout.prompt_cache import PromptCache
+from miles.rollout.sampler import begin_sampling, expert_phases
 from miles.sequence_parallel import apply_sequence_parallel, validate_sp_args
 from miles.train.checkpoint import (
     checkpoint_error_reason,
@@ -83,6 +92,7 @@ from miles.train.overlap import decode_and_score
 from miles.train.resume import resume_checkpoint
 from miles.train.run_dir import check_run_dir, clear_run_dir
 from miles.train.stop import GracefulStop, StopRequested, maybe_inject_signal
+from miles.train.videos import to_uint8
 
 
 def _maybe_inject_fault(rank: int, step: int) -> None:
@@ -156,7 +166,16 @@ class Trainer:
         # the layout first, from the model folder's config JSON, identically on every rank.
         self._check_layout()
         self._load_inputs()
-        self.model: WanModel = load_wan(cfg.model, self.device)
+        # The transformers come as meta skeletons: _parallelize shards them, then loads each rank's shards.
+        self.model: WanModel = load_wan(cfg.model, self.device, experts="skeleton", seed=cfg.run.seed)
+        self.prompt_cache = PromptCache(
+            self.model.pipeline,
+            negative_prompt=cfg.data.negative_prompt,
+            max_sequence_length=cfg.data.max_sequence_length,
+            device=self.device,
+            offload=cfg.model.text_encoder_offload,
+            batch_size=cfg.train.micro_batch_size,
+        )
         self.mesh = build_parallel_mesh(self.dims, self.device.type)
         self.sampler = GroupSampler(
             num_prompts=len(self.prompts),
@@ -344,46 +363,81 @@ class Trainer:
         apply_sequence_parallel(transformer, self.mesh, plan=plan)
 
     def _parallelize(self) -> None:
-        """LoRA, then attention backend → SP install → FSDP2 (per block, then root), per expert;
-        the old policy's and the reference's copies are sharded alike (the same local shards)."""
+        """LoRA, then attention backend → SP install → FSDP2 (per block, then root), per expert, on
+        meta skeletons; then each rank loads only its own shards (:mod:`miles.models.sharded_load`).
+        The old policy's and the reference's copies are skeletons sharded alike, filled from the
+        policy's local shards: no rank ever holds a whole expert."""
         cfg = self.cfg
-        # A full fine-tune with a KL term keeps a frozen copy of the initial weights, sharded alike.
-        self.reference = None
-        if self.algorithm.uses_reference and cfg.model.lora_rank == 0:
-            self.reference = [copy.deepcopy(t).requires_grad_(False).eval() for t in self.model.transformers]
-        old = []  # the old policy's experts (DiffusionNFT), copied with their adapters
         trained = dict(reduce_dtype=torch.float32, reshard_after_forward=cfg.parallel.reshard_after_forward)
+        adapters = []
         for transformer in self.model.transformers:
-            self._make_trainable(transformer)
+            adapters.append(self._make_trainable(transformer))
         self.resident = self._resident_memory()
         for transformer in self.model.transformers:
-            if self.algorithm.uses_old_policy:
-                old.append(copy.deepcopy(transformer))
             transformer.train()
             self._shard(transformer, checkpointing=True, **trained)
-        for copy_ in old:
-            self._shard(copy_, **trained)
+        for i, (transformer, sub) in enumerate(zip(self.model.transformers, self._expert_folders())):
+            if cfg.model.init == "random":
+                source = RandomInit(seed=cfg.run.seed, salt=sub)
+            else:
+                source = WeightFiles(self.model.path / sub)
+            materialize(transformer, self.device, source, adapters[i])
+        old = []  # the old policy's experts (DiffusionNFT), with their adapters
+        if self.algorithm.uses_old_policy:
+            old = [self._sharded_copy(i, lora=True, **trained) for i in range(len(self.model.transformers))]
         self.old_policy = OldPolicy(old, self.model.transformers) if old else None
-        for ref in self.reference or []:
-            self._shard(ref)
+        # A full fine-tune with a KL term keeps a frozen copy of the initial weights, sharded alike,
+        # stored in the compute dtype (the dtype FSDP2 computes it in anyway).
+        self.reference = None
+        if self.algorithm.uses_reference and cfg.model.lora_rank == 0:
+            self.reference = [
+                self._sharded_copy(i, lora=False, dtype=self.compute_dtype).requires_grad_(False).eval()
+                for i in range(len(self.model.transformers))
+            ]
 
-    def _make_trainable(self, transformer: nn.Module) -> None:
-        """Full fine-tune: every parameter trains; LoRA: a frozen base with trainable adapters."""
+    def _expert_folders(self) -> list[str]:
+        return ["transformer", "transformer_2"][: len(self.model.transformers)]
+
+    def _sharded_copy(
+        self, i: int, lora: bool, dtype: torch.dtype | None = None, **fsdp_options
+    ) -> nn.Module:
+        """A copy of expert ``i``: a skeleton (with the same adapters when ``lora``), sharded like the
+        expert, filled with its local shards (in ``dtype``, default the expert's own dtypes)."""
+        copy_ = build_skeleton(self.model.path, self._expert_folders()[i])
+        if not lora:
+            copy_.requires_grad_(False)
+        elif self.cfg.model.lora_rank > 0:
+            with torch.random.fork_rng(devices=[]):  # the copy's adapter draw is overwritten anyway
+                self._make_trainable(copy_)
+        if dtype is not None:
+            cast_frozen(copy_, dtype)
+        self._shard(copy_, **fsdp_options)
+        copy_local_shards(copy_, self.model.transformers[i])
+        return copy_
+
+    def _make_trainable(self, transformer: nn.Module) -> dict[str, torch.Tensor]:
+        """Full fine-tune: every parameter trains (fp32 masters); LoRA: a frozen base, stored in the
+        compute dtype, with trainable fp32 adapters. Returns the adapters' initial values (peft's
+        draw, captured on the CPU while ``transformer`` is a meta skeleton)."""
         cfg = self.cfg.model
         if cfg.lora_rank == 0:
             transformer.requires_grad_(True)
-            return
+            return {}
         from peft import LoraConfig
 
         transformer.requires_grad_(False)
-        transformer.add_adapter(
+        adapters = add_lora(
+            transformer,
             LoraConfig(
                 r=cfg.lora_rank,
                 lora_alpha=cfg.lora_alpha,
                 init_lora_weights="gaussian",
                 target_modules=cfg.lora_target_modules,
-            )
+            ),
         )
+        if self.compute_dtype is not None:
+            cast_frozen(transformer, self.compute_dtype)
+        return adapters
 
     def _shard(self, transformer: nn.Module, checkpointing: bool = False, **fsdp_options) -> None:
         """Attention backend → SP install → FSDP2 on one expert (``checkpointing``: with the
@@ -437,36 +491,23 @@ class Trainer:
         )
         sde_gens = [self._generator(3, self.rollout_index, k) for k in sample_ids]
         dtype = DTYPES[cfg.model.dtype]
-        chunks: list[dict] = []
-        experts = self.algorithm.rollout_transformers(self.policy)
-        with (
-            unsharded_for_rollout(
-                experts,
-                enabled=cfg.parallel.rollout_unsharded,
-                reshard_after_forward=cfg.parallel.reshard_after_forward,
-            ),
-            torch.no_grad(),
-        ):
-            for mb, sl in enumerate(self._bar(self._micro_slices(len(prompts)), "rollout micro-batches")):
-                maybe_inject_signal(self.rank, self.rollout_index, mb)
-                if self.stop.requested():  # nothing trained yet: abandon the rollout
-                    raise StopRequested
-                # Text encoding, sampling and decoding all run on the same fixed micro-batches, so
-                # a sample's numbers do not depend on the layout (or on dp), and training's
-                # recompute sees exactly the rollout's batch composition.
-                pos, neg = self.model.encode_prompts(
-                    prompts[sl], cfg.data.negative_prompt, cfg.data.max_sequence_length, self.device
+        # Each unique prompt is encoded once (CPU rows; the negative once per run), then the
+        # micro-batches are sampled in fixed slices, so a sample's numbers do not depend on the
+        # layout (or on dp), and training's recompute sees exactly the rollout's batch composition.
+        self.prompt_cache.start_rollout(prompts)
+        neg = self.prompt_cache.negative().to(dtype)
+        runs = []
+        for sl in self._micro_slices(len(prompts)):
+            condition = None
+            if self.model.condition_mode is not None:
+                size = dict(num_frames=r.num_frames, height=r.height, width=r.width)
+                condition = conditions_of(
+                    self.model, images[sl], **size, device=self.device, cache=image_cache
                 )
-                condition = None
-                if self.model.condition_mode is not None:
-                    size = dict(num_frames=r.num_frames, height=r.height, width=r.width)
-                    condition = conditions_of(
-                        self.model, images[sl], **size, device=self.device, cache=image_cache
-                    )
-                ro = sample_with_logprob(
-                    experts,
-                    pos.to(dtype),
-                    neg.to(dtype),
+            runs.append(
+                begin_sampling(
+                    self.prompt_cache.embeds(prompts[sl]).to(dtype),
+                    neg,
                     latent_shape,
                     num_steps=r.num_steps,
                     shift=r.shift,
@@ -480,9 +521,20 @@ class Trainer:
                     sde_type=r.sde_type,
                     record_means=self.algorithm.records_means,
                     condition=condition,
+                    device=self.device,
                 )
-                chunk = {"slice": sl, "pos": pos.to(dtype), "neg": neg.to(dtype), "rollout": ro}
-                chunks.append({**chunk, "condition": condition})
+            )
+        self._sample_expert_at_a_time(runs)
+        chunks = [
+            {
+                "slice": sl,
+                "pos": run.prompt_embeds,
+                "neg": neg,
+                "rollout": run.finish(),
+                "condition": run.condition,
+            }
+            for sl, run in zip(self._micro_slices(len(prompts)), runs)
+        ]
         return {
             "prompts": prompts,
             "images": images,  # each sample's first frame (None for text-to-video)
@@ -492,6 +544,29 @@ class Trainer:
             "chunks": chunks,
             "sde_steps": sde_steps,
         }
+
+    @torch.no_grad()
+    def _sample_expert_at_a_time(self, runs: list) -> None:
+        """Every micro-batch's steps of the high-noise expert with only that expert gathered
+        (``parallel.rollout_unsharded``), then it is resharded and the low-noise expert takes every
+        micro-batch's remaining steps: one expert's full weights on the GPU at a time. Bitwise the
+        same as sampling each micro-batch start to finish (``SamplingRun``)."""
+        cfg, r = self.cfg, self.cfg.rollout
+        experts = self.algorithm.rollout_transformers(self.policy)
+        phases = expert_phases(r.num_steps, r.shift, self.model.boundary_ratio, len(experts))
+        for phase, (e, start, stop) in enumerate(phases):
+            with unsharded_for_rollout(
+                [experts[e]],
+                enabled=cfg.parallel.rollout_unsharded,
+                reshard_after_forward=cfg.parallel.reshard_after_forward,
+            ):
+                desc = f"rollout expert {e + 1}/{len(experts)}"
+                for mb, run in enumerate(self._bar(runs, desc)):
+                    if phase == 0:
+                        maybe_inject_signal(self.rank, self.rollout_index, mb)
+                    if self.stop.requested():  # nothing trained yet: abandon the rollout
+                        raise StopRequested
+                    run.run_steps(experts, start, stop)
 
     def _step_major_order(self, n: int) -> list[int]:
         """The order of this rank's samples, so that consecutive optimizer steps take the same
@@ -523,6 +598,11 @@ class Trainer:
         g2 = r.guidance_scale if r.guidance_scale_2 is None else r.guidance_scale_2
         return [r.guidance_scale, g2][: len(self.model.transformers)]
 
+    def _logs_videos(self, rollout_index: int) -> bool:
+        """Whether this rank logs the videos of that rollout (rank 0, every ``run.log_video_every``)."""
+        every = self.cfg.run.log_video_every
+        return bool(every) and self.rank == 0 and rollout_index % every == 0
+
     def score(self, batch: dict) -> dict:
         """Decode and reward this rank's share of the micro-batches, then group-normalise.
 
@@ -538,19 +618,23 @@ class Trainer:
         videos, video_prompts, video_rewards = [], [], []
         # A worker scores micro-batch k while this thread decodes k + 1 (miles.train.overlap).
         mine = [chunk for c, chunk in enumerate(batch["chunks"]) if c % sp == sp_rank]
+        # Each video is dropped once scored; rank 0 keeps uint8 CPU copies when this rollout logs videos.
+        logged = self._logs_videos(self.rollout_index)
         results = decode_and_score(
             mine,
             lambda chunk: self.model.decode(chunk["rollout"].final_latents),
             lambda video, chunk: self.rewards(video, *self._score_inputs(batch, chunk["slice"])),
+            lambda video, chunk: [to_uint8(v) for v in video] if logged else None,
         )
-        for chunk, video, (combined, per_reward) in results:
+        for chunk, kept, (combined, per_reward) in results:
             sl = chunk["slice"]
             local[:, sl] = torch.stack([combined, *(per_reward[k] for k in self.rewards.names)]).to(
                 self.device
             )
-            videos.append(video)
-            video_prompts += batch["prompts"][sl]
-            video_rewards += combined.tolist()
+            if kept is not None:
+                videos += kept
+                video_prompts += batch["prompts"][sl]
+                video_rewards += combined.tolist()
         if sp > 1:
             dist.all_reduce(local, group=self.mesh.sp_group)
         gathered = [torch.empty_like(local) for _ in range(self.mesh.dp_size)]
@@ -576,7 +660,7 @@ class Trainer:
             advantages = -advantages
         mine = slice(self.mesh.dp_rank * n, (self.mesh.dp_rank + 1) * n)
         batch.update(
-            videos=torch.cat(videos) if videos else None,  # the micro-batches this rank decoded
+            videos=videos or None,  # (F, H, W, 3) uint8 of the micro-batches this rank decoded, if logged
             video_prompts=video_prompts,
             video_rewards=video_rewards,
             advantages=advantages[mine].to(self.device),
@@ -813,14 +897,16 @@ class Trainer:
             return
         t0 = time.perf_counter()
         settings = eval_settings(cfg, self.model)
-        with (
-            self._averaged(),
-            unsharded_for_rollout(
-                self.model.transformers,
+        self.prompt_cache.prepare(self.eval_prompts)  # one encoder visit for every held-out prompt
+
+        def gather(experts):
+            return unsharded_for_rollout(
+                experts,
                 enabled=cfg.parallel.rollout_unsharded,
                 reshard_after_forward=cfg.parallel.reshard_after_forward,
-            ),
-        ):
+            )
+
+        with self._averaged():
             result = evaluate(
                 self.model,
                 EvalRewards(self.rewards, self.gold_rewards),
@@ -835,6 +921,8 @@ class Trainer:
                 dp_group=self.mesh.dp_group,
                 keep_videos=self.rank == 0 and cfg.eval.log_videos,
                 images=self.eval_images,
+                encode=lambda texts: (self.prompt_cache.embeds(texts), self.prompt_cache.negative()),
+                gather=gather,
             )
         metrics = {
             **summarize(result),
@@ -862,7 +950,6 @@ class Trainer:
         t_reward: float,
         t_train: float,
     ) -> None:
-        cfg = self.cfg
         rewards = batch["reward_all"]
         adv = batch["advantages_all"]
         forwards = self.algorithm.forwards_per_sample(batch)
@@ -904,8 +991,7 @@ class Trainer:
             + "".join(f"{k}={first[k]:.3e} " for k in shown)
             + f"grad_norm={first['grad_norm']:.3e} step_time={t_train / len(step_stats):.2f}s"
         )
-        every = cfg.run.log_video_every
-        if every and self.rank == 0 and self.rollout_index % every == 0 and batch["videos"] is not None:
+        if self._logs_videos(self.rollout_index) and batch["videos"] is not None:
             # rank 0's decoded samples: with sp > 1, every sp-th micro-batch of its dp rank
             self.logger.log_videos(
                 batch["videos"], batch["video_prompts"], batch["video_rewards"], step=self.step

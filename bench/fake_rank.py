@@ -1,0 +1,114 @@
+"""One rank of a world-N job in one process: torch's fake process group, and what it breaks.
+
+``torch.testing._internal.distributed.fake_pg`` registers the ``fake`` backend: collectives return
+at once and move nothing, while every tensor, shape and allocation stays real, so one GPU can
+rehearse one rank of a larger job (peak memory, kernels at 1/sp of the sequence).
+
+What the fake group returns (checked on torch 2.13, ``tests/e2e/test_benchmarks.py``):
+all-gathers fill every chunk with the local input, reduce-scatter returns the local chunk,
+all-to-all returns its input, all-reduce leaves the tensor as it was: all finite and of the
+right shape. Point-to-point receives leave the buffer untouched (uninitialised memory): they are
+zero-filled here. DCP's save-plan coverage check is skipped (every fake rank reports rank 0's
+chunks). Random weights at 30-40 layers, with gathered parameters that are copies of
+the local shard, may overflow to inf/NaN: :func:`tolerate_nonfinite` keeps the trainer's
+non-finite checks from stopping a rehearsal (the numbers are meaningless; memory is the point).
+
+Everything is patched here, at run time: ``miles/`` is never edited for the fake group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def init_fake_world(world_size: int, rank: int = 0, local_world_size: int | None = None) -> None:
+    """Initialise torch.distributed as rank ``rank`` of ``world_size`` over the fake group; the
+    environment is set as torchrun would (``LOCAL_WORLD_SIZE`` = processes per node, default
+    min(world, 8): Ulysses groups must stay inside a node)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("torch.distributed is already initialised; a fake world needs a fresh process")
+    local = local_world_size or min(world_size, 8)
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK="0",  # the one device of this process
+        LOCAL_WORLD_SIZE=str(local),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="29599",
+    )
+    if torch.cuda.is_available():
+        torch.cuda.set_device(0)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+
+
+def _zero_recv(op):
+    def wrapped(tensor, *args, **kwargs):
+        tensor.zero_()
+        return op(tensor, *args, **kwargs)
+
+    return wrapped
+
+
+@contextlib.contextmanager
+def fake_collective_fixes():
+    """Zero-fill point-to-point receive buffers (the fake group leaves them uninitialised)."""
+    saved = {name: getattr(dist, name) for name in ("recv", "irecv", "batch_isend_irecv")}
+    dist.recv = _zero_recv(saved["recv"])
+    dist.irecv = _zero_recv(saved["irecv"])
+
+    def batch(ops):
+        for op in ops:
+            if op.op in (saved["irecv"], dist.irecv):
+                op.tensor.zero_()
+        return saved["batch_isend_irecv"](ops)
+
+    dist.batch_isend_irecv = batch
+    # DCP's coordinator checks that the ranks' chunks tile every tensor; under the fake group
+    # every "rank" reports rank 0's chunks, so the check fails though rank 0 writes exactly its own.
+    import torch.distributed.checkpoint.default_planner as planner
+
+    validate = planner._validate_global_plan
+    planner._validate_global_plan = lambda global_plan, metadata: []
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+        planner._validate_global_plan = validate
+
+
+@contextlib.contextmanager
+def tolerate_nonfinite(trainer_cls):
+    """Decoded videos, losses and gradient norms made finite for the trainer's checks (random
+    weights at real depth can overflow; under the fake group the values mean nothing)."""
+    from miles.models.wan import WanModel
+
+    saved = {
+        "decode": WanModel.decode,
+        "_all_finite": trainer_cls._all_finite,
+        "_clip_grad_norm": trainer_cls._clip_grad_norm,
+    }
+
+    def decode(self, latents):
+        return torch.nan_to_num(saved["decode"](self, latents), nan=0.5, posinf=1.0, neginf=0.0)
+
+    def clip(self):
+        norm = saved["_clip_grad_norm"](self)
+        return norm if math.isfinite(norm) else 0.0
+
+    WanModel.decode = decode
+    trainer_cls._all_finite = lambda self, value: True
+    trainer_cls._clip_grad_norm = clip
+    try:
+        yield
+    finally:
+        WanModel.decode = saved["decode"]
+        trainer_cls._all_finite = saved["_all_finite"]
+        trainer_cls._clip_grad_norm = saved["_clip_grad_norm"]

@@ -1,0 +1,323 @@
+"""End-to-end GRPO step on one GPU: ``Trainer.train`` at world 1, per-phase time, model FLOP/s, MFU.
+
+    python bench/step_bench.py --out bench/results/step                   # jpeg, then pickscore
+    python bench/step_bench.py --out runs/step --model tiny --shape 5 64 64 --num-steps 4 \\
+        --rollouts 2 --budget-gib 1                                       # CPU, seconds
+
+The Wan2.1-1.3B recipe (``configs/wan2_1_t2v_1_3b.yaml``) at 81x480x832 with random weights at the
+real configs (``bench/real_configs.py``: the 1.3B transformer, UMT5-XXL, the Wan2.1 VAE;
+``model.init: random``): 10 denoising steps, one prompt group of 2 samples, SDE window 2,
+``activation_memory_budget_gib`` 100, UMT5-XXL resident (``text_encoder_offload`` off), 3
+rollouts (the first is the warm-up: compile, cudnn plans). Rewards: ``jpeg_incompressibility``,
+then ``pickscore`` with a PickScore-sized CLIP (ViT-H-14 vision tower, 1024-wide text tower,
+random weights, built and saved under ``--work``, default ``OUT/work``). Each reward runs in its own process.
+
+Phases are timed around the trainer's own methods (``bench/probes.py``): rollout, decode+reward
+(``Trainer.score``), train (``Trainer.train_on``), with the peak GPU memory of each. Model FLOPs
+(``bench/gpu_bench.py``'s ``model_flops``: matmuls and attention of one forward; recompute not
+counted): rollout = samples x steps x CFG forwards; train = samples x SDE steps x CFG x 3 (forward
++ backward) + the KL reference's forwards. MFU = FLOPs / time / 782 TFLOP/s (bf16 dense, H200),
+over each phase and over the whole step (decode and reward count as time, not FLOPs). Checkpoint
+saving and export are switched off (they are the rehearsal's business). Writes ``<reward>.json``,
+``<reward>.md`` and ``step_bench.md`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+ROOT = Path(__file__).resolve().parents[1]
+PEAK_TFLOPS = 782.0  # bf16 dense matmul, H200 (DESIGN.md)
+STEP_PHASES = ("rollout", "decode+reward", "train")
+
+
+def pickscore_sized_clip(path: Path, tiny: bool = False) -> Path:
+    """A random CLIP of PickScore_v1's size (ViT-H-14: vision 1280 x 32 layers, patch 14 at 224;
+    text 1024 x 24 layers; projection 1024) with a byte-level tokenizer, saved to ``path``;
+    ``tiny``: ``miles.rewards.tiny_clip``'s stand-in."""
+    import torch
+    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor, CLIPTokenizer
+
+    from miles.rewards.tiny_clip import BOS, EOS, _byte_level_vocab, tiny_clip
+
+    if tiny:
+        return Path(tiny_clip(path))
+    if (path / "config.json").is_file():
+        return path
+    vocab = _byte_level_vocab()
+    tokenizer = CLIPTokenizer(
+        vocab=vocab, merges=[], bos_token=BOS, eos_token=EOS, pad_token=EOS, unk_token=EOS
+    )
+    tokenizer.model_max_length = 77
+    image_processor = CLIPImageProcessor(size={"shortest_edge": 224}, crop_size={"height": 224, "width": 224})
+    config = CLIPConfig(
+        text_config=dict(
+            hidden_size=1024,
+            intermediate_size=4096,
+            num_hidden_layers=24,
+            num_attention_heads=16,
+            vocab_size=49408,
+            max_position_embeddings=77,
+            hidden_act="gelu",
+            bos_token_id=vocab[BOS],
+            eos_token_id=vocab[EOS],
+            pad_token_id=vocab[EOS],
+        ),
+        vision_config=dict(
+            hidden_size=1280,
+            intermediate_size=5120,
+            num_hidden_layers=32,
+            num_attention_heads=16,
+            image_size=224,
+            patch_size=14,
+            hidden_act="gelu",
+        ),
+        projection_dim=1024,
+    )
+    torch.manual_seed(0)
+    model = CLIPModel(config).eval()
+    model.save_pretrained(path)
+    CLIPProcessor(image_processor=image_processor, tokenizer=tokenizer).save_pretrained(path)
+    return path
+
+
+def build_config(args, reward: str, model_path: Path, clip_path: Path | None):
+    from bench.memory_rehearsal import sde_window_fields, set_fields
+    from miles.config import parse_args
+
+    cfg, _ = parse_args(["--config", str(ROOT / "configs" / "wan2_1_t2v_1_3b.yaml")])
+    frames, height, width = args.shape
+    fields = {
+        "model.path": str(model_path),
+        "model.init": "random",
+        "model.activation_memory_budget_gib": args.budget_gib,
+        "model.text_encoder_offload": False,
+        "parallel.sequence_parallel_size": 1,
+        "data.prompt_file": None,
+        "data.prompts_per_rank": 1,
+        "data.group_size": args.samples,
+        "rollout.num_frames": frames,
+        "rollout.height": height,
+        "rollout.width": width,
+        "rollout.num_steps": args.num_steps,
+        **sde_window_fields(args.num_steps, args.sde_window, 0, args.num_steps // 2),
+        "train.num_rollouts": args.rollouts,
+        "train.checkpoint_every": 0,
+        "train.resume": False,
+        "train.overwrite": True,
+        "train.export": False,
+        "eval.prompt_file": None,
+        "run.output_dir": str(args.work / "runs"),
+        "run.name": reward,
+        "run.wandb_mode": "disabled",
+        "run.log_video_every": 0,
+        "run.progress": False,
+        "reward.weights": {reward if reward == "pickscore" else "jpeg_incompressibility": 1.0},
+        "reward.pickscore_path": str(clip_path) if clip_path else None,
+        "reward.pickscore_processor_path": None,
+    }
+    if args.model == "tiny":  # the tiny model's text encoder is not UMT5-XXL: shorter prompts
+        fields.update({"data.max_sequence_length": 64, "model.dtype": "float32", "model.compile": "off"})
+    return set_fields(cfg, fields)
+
+
+def step_flops(cfg, transformer_config: dict, tokens: int, num_sde_steps: int) -> dict:
+    """Model FLOPs of one GRPO step on this rank: rollout and train (see the module docstring)."""
+    from bench.gpu_bench import model_flops
+
+    forward = model_flops(transformer_config, tokens, text_tokens=cfg.data.max_sequence_length)
+    samples = cfg.data.prompts_per_rank * cfg.data.group_size
+    cfg_factor = 2 if cfg.rollout.guidance_scale > 1 else 1
+    train_cfg = cfg_factor if cfg.grpo.train_cfg else 1
+    reference = samples * num_sde_steps * train_cfg * forward if cfg.grpo.kl_beta > 0 else 0.0
+    return {
+        "forward_per_sample": forward,
+        "rollout": samples * cfg.rollout.num_steps * cfg_factor * forward,
+        "train": samples * num_sde_steps * train_cfg * 3 * forward + reference,
+    }
+
+
+def per_rollout(phases: list[dict]) -> list[dict]:
+    """The probes' rows grouped into rollouts (each rollout: rollout, decode+reward, train)."""
+    rollouts, current = [], {}
+    for p in phases:
+        if p["phase"] not in STEP_PHASES:
+            continue
+        if p["phase"] == "rollout" and current:
+            rollouts.append(current)
+            current = {}
+        current[p["phase"]] = p
+    if current:
+        rollouts.append(current)
+    return rollouts
+
+
+def summarize(rollouts: list[dict], flops: dict, budget_gib: float, peak_tflops: float = PEAK_TFLOPS) -> dict:
+    """Mean time per phase over the measured rollouts (all but the first when there are several),
+    TFLOP/s and MFU per phase and for the whole step, peak GPU memory against the budget."""
+    measured = rollouts[1:] if len(rollouts) > 1 else rollouts
+    mean = {ph: sum(r[ph]["wall_s"] for r in measured) / len(measured) for ph in STEP_PHASES}
+    total = sum(mean.values())
+    step_flops_ = flops["rollout"] + flops["train"]
+    rows = {}
+    for ph in STEP_PHASES:
+        f = flops.get(ph, 0.0)
+        tflops = f / mean[ph] / 1e12 if mean[ph] > 0 else 0.0
+        rows[ph] = {
+            "wall_s": mean[ph],
+            "model_tflop": f / 1e12,
+            "tflops": tflops,
+            "mfu": tflops / peak_tflops,
+        }
+    whole_tflops = step_flops_ / total / 1e12 if total > 0 else 0.0
+    peaks = [p.get("gpu_peak_allocated_gib") for r in rollouts for p in r.values()]
+    peak = max(peaks) if peaks and None not in peaks else None
+    return {
+        "measured_rollouts": len(measured),
+        "phases": rows,
+        "step": {
+            "wall_s": total,
+            "model_tflop": step_flops_ / 1e12,
+            "tflops": whole_tflops,
+            "mfu": whole_tflops / peak_tflops,
+        },
+        "peak_gib": peak,
+        "budget_gib": budget_gib,
+        "peak_within_budget": None if peak is None else peak <= budget_gib,
+    }
+
+
+def run_one(args, reward: str) -> dict:
+    import torch
+
+    import miles.train.trainer as trainer_mod
+    from bench.memory_rehearsal import _random_base_export
+    from bench.probes import Probes
+    from bench.real_configs import (
+        load_wan_supports_random_init,
+        model_spec,
+        random_load_wan,
+        write_config_folder,
+    )
+
+    model_path = write_config_folder(args.model, args.out / "models" / args.model)
+    clip = (
+        pickscore_sized_clip(args.out / "models" / "pickscore", tiny=args.model == "tiny")
+        if reward == "pickscore"
+        else None
+    )
+    cfg = build_config(args, reward, model_path, clip)
+    if not load_wan_supports_random_init():  # until model.init random is merged into load_wan
+        trainer_mod.load_wan = random_load_wan
+        trainer_mod.export_pipeline = _random_base_export(trainer_mod.export_pipeline)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    probes = Probes(device)
+    Trainer = trainer_mod.Trainer
+    probes.wrap(Trainer, "rollout", "rollout")
+    probes.wrap(Trainer, "score", "decode+reward")
+    probes.wrap(Trainer, "train_on", "train")
+    Trainer.save = lambda self: None  # the step is measured, not the checkpoint
+    with probes.phase("init"):
+        trainer = Trainer(cfg)
+    trainer.train()
+    trainer.close()
+    tokens = trainer.num_tokens
+    from miles.rollout.sampler import sde_step_indices
+
+    r = cfg.rollout
+    num_sde = len(
+        sde_step_indices(
+            r.num_steps,
+            sde_window_size=r.sde_window_size or None,
+            sde_window_start_range=tuple(r.sde_window_range) if r.sde_window_size else None,
+            timestep_fraction=r.timestep_fraction,
+            generator=torch.Generator().manual_seed(0),
+        )
+    )
+    flops = step_flops(cfg, model_spec(args.model)["transformer"], tokens, num_sde)
+    return {
+        "reward": reward,
+        "model": args.model,
+        "shape": args.shape,
+        "tokens": tokens,
+        "samples": cfg.data.prompts_per_rank * cfg.data.group_size,
+        "num_steps": r.num_steps,
+        "num_sde_steps": num_sde,
+        "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "flops": flops,
+        "phases": probes.phases,
+        "summary": summarize(per_rollout(probes.phases), flops, args.budget_gib),
+    }
+
+
+def markdown(results: list[dict]) -> str:
+    lines = [
+        "| reward | rollout s (TFLOP/s) | decode + reward s | train s (TFLOP/s) | step s | step TFLOP/s | MFU | peak GiB / budget |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in results:
+        s = r["summary"]
+        ph = s["phases"]
+        peak = "—" if s["peak_gib"] is None else f"{s['peak_gib']:.1f} / {s['budget_gib']:g}"
+        lines.append(
+            f"| {r['reward']} | {ph['rollout']['wall_s']:.1f} ({ph['rollout']['tflops']:.0f}) | "
+            f"{ph['decode+reward']['wall_s']:.1f} | {ph['train']['wall_s']:.1f} ({ph['train']['tflops']:.0f}) | "
+            f"{s['step']['wall_s']:.1f} | {s['step']['tflops']:.0f} | {s['step']['mfu']:.0%} | {peak} |"
+        )
+    first = results[0]
+    head = (
+        f"{first['model']}, {'x'.join(map(str, first['shape']))} ({first['tokens']} tokens), {first['samples']} samples, "
+        f"{first['num_steps']} steps, {first['num_sde_steps']} SDE steps, on {first['device']} "
+        f"(mean of the rollouts after the first)"
+    )
+    return head + "\n\n" + "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--work", type=Path, default=None, help="model folders and run dirs (default: OUT/work)")
+    ap.add_argument("--model", default="wan2.1-t2v-1.3b", help="a bench/real_configs.py model (or tiny)")
+    ap.add_argument("--shape", type=int, nargs=3, default=[81, 480, 832], metavar=("FRAMES", "H", "W"))
+    ap.add_argument("--num-steps", type=int, default=10)
+    ap.add_argument("--samples", type=int, default=2)
+    ap.add_argument("--sde-window", type=int, default=2)
+    ap.add_argument("--rollouts", type=int, default=3)
+    ap.add_argument("--budget-gib", type=float, default=100.0)
+    ap.add_argument("--rewards", nargs="+", default=["jpeg", "pickscore"], choices=["jpeg", "pickscore"])
+    ap.add_argument("--reward", choices=["jpeg", "pickscore"], help=argparse.SUPPRESS)  # one, in this process
+    args = ap.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    args.work = args.work or args.out / "work"
+    if args.reward:
+        result = run_one(args, args.reward)
+        (args.out / f"{args.reward}.json").write_text(json.dumps(result, indent=2) + "\n")
+        (args.out / f"{args.reward}.md").write_text(markdown([result]))
+        return
+    results = []
+    for reward in args.rewards:
+        cmd = [sys.executable, __file__, *(argv if argv is not None else sys.argv[1:]), "--reward", reward]
+        print(f"[step-bench] {reward}", flush=True)
+        rc = subprocess.run(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode
+        if rc == 0:
+            results.append(json.loads((args.out / f"{reward}.json").read_text()))
+        else:
+            print(f"[step-bench] {reward} failed with exit status {rc}", flush=True)
+    if results:
+        text = markdown(results)
+        (args.out / "step_bench.md").write_text(text)
+        print(text)
+    if len(results) != len(args.rewards):
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,228 @@
+"""The issue-16 benchmark scripts, each run once at its tiny CPU case, their outputs checked.
+
+- ``bench/memory_rehearsal.py --case tiny``: rank 0 of a fake world of 4 (dp2 x sp2) goes through
+  the trainer's whole path (a checkpoint and an export are written); every phase is probed; the
+  dry run's estimate is the dry run's, and the ratio is measured / estimate.
+- ``bench/sp_timing.py`` at ulysses 2 x ring 2 (fake world of 4), no activation checkpointing:
+  the Ulysses all-to-all bytes per layer equal 8 B s H D x 4 (q, k, v, out; forward and
+  backward), FSDP's reduce-scatter takes every parameter's padded gradient once and its
+  all-gather every sharded parameter twice (forward, backward re-gather), the SP boundary
+  gathers proj_out's output once; the ring moves bytes over a group of 2.
+- ``bench/step_bench.py`` (tiny, jpeg, 2 rollouts): per-phase rows, FLOPs from the formula,
+  MFU = TFLOP/s / 782.
+- ``bench/real_configs.py``: the real-size folders have the published sizes (dry run on meta).
+
+No timings are asserted. Slow on a loaded 2-core machine (each script is its own process).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "2", "PYTHONUNBUFFERED": "1"}
+
+
+def _run(*args: str) -> None:
+    proc = subprocess.run([sys.executable, *args], cwd=REPO, env=ENV, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+
+
+@pytest.fixture(scope="module")
+def rehearsal(tmp_path_factory) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("rehearsal")
+    _run("bench/memory_rehearsal.py", "--out", str(out), "--case", "tiny")
+    return out, json.loads((out / "tiny.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def sp_timing(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("sp")
+    args = ["--model", "tiny", "--shape", "5", "64", "64", "--layouts", "4u2", "--checkpointing", "none"]
+    _run("bench/sp_timing.py", "--out", str(out), *args, "--warmup", "0", "--iters", "1")
+    rows = json.loads((out / "sp_timing.json").read_text())
+    assert (out / "sp_timing.md").is_file()
+    return rows[0]
+
+
+@pytest.fixture(scope="module")
+def step_bench(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("step")
+    args = ["--model", "tiny", "--shape", "5", "64", "64", "--num-steps", "2", "--sde-window", "1"]
+    _run(
+        "bench/step_bench.py",
+        "--out",
+        str(out),
+        *args,
+        "--rollouts",
+        "2",
+        "--budget-gib",
+        "1",
+        "--rewards",
+        "jpeg",
+    )
+    assert (out / "step_bench.md").is_file()
+    return json.loads((out / "jpeg.json").read_text())
+
+
+def test_rehearsal_runs_the_trainers_whole_path(rehearsal):
+    out, r = rehearsal
+    from bench.memory_rehearsal import PHASES
+
+    assert {p["phase"] for p in r["phases"]} == set(PHASES)
+    for p in r["phases"]:
+        assert (
+            p["wall_s"] >= 0 and p["host_rss_gib"] > 0 and p["host_rss_peak_gib"] >= p["host_rss_gib"] * 0.99
+        )
+    assert (r["world_size"], r["dp"], r["sp"], r["ulysses"], r["ring"]) == (4, 2, 2, 2, 1)
+    run = out / "work" / "runs" / "tiny"
+    assert (run / "checkpoints" / "step_000001").is_dir()
+    assert (run / "export" / "pipeline" / "model_index.json").is_file()
+    assert (out / "tiny.md").read_text().count("|") > 20
+
+
+def test_rehearsal_compares_with_the_dry_run(rehearsal):
+    out, r = rehearsal
+    from bench.memory_rehearsal import CASES, build_config
+    from miles.train.dry_run import dry_run
+
+    cfg = build_config(CASES["tiny"], out / "work" / "models" / "tiny", out / "work", "tiny")
+    assert cfg.model.init == "random" and cfg.train.num_rollouts == 1 and cfg.grpo.kl_beta > 0
+    mem = dry_run(cfg, world_size=4, local_world_size=4, device_type="cpu", verbose=False)["memory_gib"]
+    assert mem == r["dry_run_memory_gib"]  # the same config's dry run
+    rows = {c["phase"]: c for c in r["comparison"]}
+    assert rows["rollout"]["estimate_gib"] == mem["rollout_peak"]
+    assert rows["train"]["estimate_gib"] == mem["train_peak"]
+    assert rows["whole run"]["estimate_gib"] == max(mem["rollout_peak"], mem["train_peak"])
+    assert all(c["measured_gib"] is None and c["ratio"] is None for c in r["comparison"])  # no GPU here
+
+
+def test_compare_ratio_is_measured_over_estimate():
+    from bench.memory_rehearsal import compare
+
+    phases = [
+        {"phase": "rollout", "gpu_peak_allocated_gib": 30.0},
+        {"phase": "train", "gpu_peak_allocated_gib": 60.0},
+        {"phase": "train", "gpu_peak_allocated_gib": 66.0},
+        {"phase": "export", "gpu_peak_allocated_gib": 70.0},
+    ]
+    rows = {c["phase"]: c for c in compare(phases, {"rollout_peak": 40.0, "train_peak": 60.0})}
+    assert rows["rollout"]["ratio"] == 30.0 / 40.0
+    assert rows["train"]["measured_gib"] == 66.0 and rows["train"]["ratio"] == 66.0 / 60.0
+    assert rows["whole run"]["measured_gib"] == 70.0 and rows["whole run"]["ratio"] == 70.0 / 60.0
+
+
+def test_sde_window_fits_a_shortened_rollout():
+    from bench.memory_rehearsal import sde_window_fields
+    from miles.rollout.sampler import sde_step_indices
+
+    for n, size, lo, hi in [(10, 4, 0, 20), (40, 4, 0, 20), (2, 2, 0, 10), (10, 2, 0, 5)]:
+        f = sde_window_fields(n, size, lo, hi)
+        w, rng = f["rollout.sde_window_size"], tuple(f["rollout.sde_window_range"])
+        assert sde_step_indices(n, sde_window_size=w, sde_window_start_range=rng)  # accepted
+    assert sde_window_fields(40, 4, 0, 20) == {
+        "rollout.sde_window_size": 4,
+        "rollout.sde_window_range": [0, 20],
+    }
+
+
+def _padded(numel_dim0: int, rest: int, world: int) -> tuple[int, int]:
+    shard = math.ceil(numel_dim0 / world)
+    return shard * rest, shard * world * rest
+
+
+def test_sp_collective_bytes_match_the_formulas(sp_timing):
+    import torch
+    from diffusers import WanTransformer3DModel
+
+    from bench.real_configs import model_spec
+
+    r = sp_timing
+    config = model_spec("tiny")["transformer"]
+    B, H, D, L = r["batch"], config["num_attention_heads"], config["attention_head_dim"], r["num_layers"]
+    s, world, fp32 = r["tokens_per_rank"], r["sp"], 4
+    rows = {(c["category"], c["kind"]): c for c in r["collectives"]}
+    assert (r["ulysses"], r["ring"]) == (2, 2)
+    ulysses = rows[("ulysses", "all_to_all")]
+    assert ulysses["buffer_bytes_per_layer"] == 8 * B * s * H * D * fp32
+    assert ulysses["wire_bytes_per_layer"] == ulysses["buffer_bytes_per_layer"] / 2  # (u - 1) / u, u = 2
+    with torch.device("meta"):
+        model = WanTransformer3DModel.from_config(config)
+    sharded = padded = 0
+    for p in model.parameters():
+        a, b = _padded(p.shape[0], p[0].numel() if p.dim() > 1 else 1, world)
+        sharded, padded = sharded + a, padded + b
+    assert rows[("fsdp", "reduce_scatter")]["buffer_bytes"] == padded * fp32
+    assert rows[("fsdp", "all_gather")]["buffer_bytes"] == 2 * sharded * fp32
+    out_dim = config["out_channels"] * math.prod(config["patch_size"])
+    assert rows[("sp_boundary", "all_gather")]["buffer_bytes"] == B * s * out_dim * fp32
+    ring = [c for c in r["collectives"] if c["category"] == "ring"]
+    assert ring and all(c["group_size"] == 2 and c["buffer_bytes"] > 0 for c in ring)
+    assert r["step_ms"] > 0 and len(r["step_ms_all"]) == 1 and L == 2
+
+
+def test_step_bench_flops_and_mfu(step_bench):
+    from bench.gpu_bench import model_flops
+    from bench.real_configs import model_spec
+
+    r = step_bench
+    forward = model_flops(model_spec("tiny")["transformer"], r["tokens"], text_tokens=64)
+    assert r["flops"]["rollout"] == r["samples"] * r["num_steps"] * 2 * forward  # CFG: 2 forwards a step
+    assert r["flops"]["train"] == r["samples"] * r["num_sde_steps"] * 2 * 3 * forward
+    s = r["summary"]
+    assert s["measured_rollouts"] == 1  # the first of 2 is the warm-up
+    assert s["step"]["model_tflop"] == pytest.approx((r["flops"]["rollout"] + r["flops"]["train"]) / 1e12)
+    assert s["step"]["wall_s"] == pytest.approx(sum(p["wall_s"] for p in s["phases"].values()))
+    assert s["step"]["mfu"] == pytest.approx(s["step"]["tflops"] / 782.0)
+    phases = [p["phase"] for p in r["phases"] if p["phase"] != "init"]
+    assert phases == ["rollout", "decode+reward", "train"] * 2
+
+
+def test_step_bench_summary_arithmetic():
+    from bench.step_bench import summarize
+
+    row = lambda t: {"wall_s": t, "gpu_peak_allocated_gib": 10.0 * t}  # noqa: E731
+    rollouts = [{ph: row(100.0) for ph in ("rollout", "decode+reward", "train")}]
+    rollouts.append({"rollout": row(2.0), "decode+reward": row(1.0), "train": row(3.0)})
+    s = summarize(rollouts, {"rollout": 4e15, "train": 3e15}, budget_gib=100.0, peak_tflops=1000.0)
+    assert s["phases"]["rollout"]["tflops"] == pytest.approx(2000.0)
+    assert s["phases"]["train"]["mfu"] == pytest.approx(1.0)
+    assert s["step"]["wall_s"] == 6.0 and s["step"]["tflops"] == pytest.approx(7000.0 / 6.0)
+    assert s["peak_gib"] == 1000.0 and s["peak_within_budget"] is False
+
+
+@pytest.mark.parametrize(
+    "name, per_expert, experts, tokens, shape",
+    [
+        ("wan2.2-t2v-a14b", (14.0e9, 14.5e9), 2, 32760, (81, 480, 832)),
+        ("wan2.1-t2v-14b", (14.0e9, 14.5e9), 1, 32760, (81, 480, 832)),
+        ("wan2.2-ti2v-5b", (4.8e9, 5.2e9), 1, 18480, (81, 704, 1280)),
+        ("wan2.1-t2v-1.3b", (1.3e9, 1.5e9), 1, 32760, (81, 480, 832)),
+    ],
+)
+def test_real_config_folders_have_the_published_sizes(tmp_path, name, per_expert, experts, tokens, shape):
+    from bench.memory_rehearsal import set_fields
+    from bench.real_configs import write_config_folder
+    from miles.config import Config
+    from miles.train.dry_run import dry_run
+
+    folder = write_config_folder(name, tmp_path / name)
+    fields = {"model.path": str(folder), "model.init": "random", "parallel.sequence_parallel_size": 8}
+    fields.update({"rollout.num_frames": shape[0], "rollout.height": shape[1], "rollout.width": shape[2]})
+    rep = dry_run(set_fields(Config(), fields), world_size=8, local_world_size=8, verbose=False)
+    assert len(rep["params"]["per_expert"]) == experts
+    assert all(per_expert[0] < n < per_expert[1] for n in rep["params"]["per_expert"])
+    assert 5.6e9 < rep["params"]["text_encoder"] < 5.8e9  # UMT5-XXL's encoder (22.7 GB in fp32)
+    assert rep["sequence"]["tokens_per_sample"] == tokens
+    assert rep["model"]["expand_timesteps"] == (name == "wan2.2-ti2v-5b")
+    assert rep["model"]["boundary_ratio"] == (0.875 if experts == 2 else None)
