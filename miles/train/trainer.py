@@ -86,6 +86,7 @@ from miles.train.checkpoint import (
 )
 from miles.train.ema import EMA
 from miles.train.export import export_pipeline
+from miles.train.fingerprint import model_fingerprint
 from miles.train.logging import MetricsLogger, configure_library_progress, print0, show_progress
 from miles.train.old_policy import OldPolicy
 from miles.train.overlap import decode_and_score
@@ -176,6 +177,8 @@ class Trainer:
             offload=cfg.model.text_encoder_offload,
             batch_size=cfg.train.micro_batch_size,
         )
+        # Saved with every (lean) checkpoint: a resume re-reads the frozen weights from this folder.
+        self.model_fingerprint = model_fingerprint(self.model.path)
         self.mesh = build_parallel_mesh(self.dims, self.device.type)
         self.sampler = GroupSampler(
             num_prompts=len(self.prompts),
@@ -755,6 +758,7 @@ class Trainer:
             "dp": self.dims.dp,
             "sp": self.dims.sp,
             "config": dataclasses.asdict(self.cfg),
+            "model_fingerprint": self.model_fingerprint,
         }
 
     def save(self) -> None:
