@@ -18,7 +18,8 @@ micro batch x 2 with CFG, T = tokens per sp rank, D / F = hidden / FFN size.
     optimizer        8·N_t/S                       AdamW exp_avg + exp_avg_sq (fp32)
     ema              4·N_t/S                       ``train.ema_decay`` > 0: fp32 shadow of the shards
     old_policy       = weights                     DiffusionNFT's old policy: a sharded copy
-    reference        4·N/S                         full fine-tune with a KL term (LoRA: adapters off)
+    reference        c·N/S                         full fine-tune with a KL term: a frozen copy stored in the
+                                                   compute dtype (LoRA: the adapters switched off)
     text_encoder     its params x its dtype        only when ``model.text_encoder_offload`` is False
     vae              its params x its dtype
     buffers          2·samples·K·latent·4 + 2·samples·L_text·text_dim·c   (stored SDE latents, prompts)
@@ -156,10 +157,14 @@ class ResidentMemory:
         return {f.name: getattr(self, f.name) / GIB for f in fields(self)}
 
     @classmethod
-    def of(cls, cfg, sizes: ModelSizes, shape: RolloutShape, shard_size: int) -> ResidentMemory:
+    def of(
+        cls, cfg, sizes: ModelSizes, shape: RolloutShape, shard_size: int, device_type: str = "cuda"
+    ) -> ResidentMemory:
         """The terms for config ``cfg`` (a ``miles.config.Config``) with parameters sharded over
-        ``shard_size`` ranks (``ParallelDims.shard``: world / replicate_size)."""
+        ``shard_size`` ranks (``ParallelDims.shard``: world / replicate_size) on ``device_type``
+        (which resolves ``model.text_encoder_dtype: auto``)."""
         from miles.algorithms import build_algorithm
+        from miles.models.wan import text_encoder_dtype
 
         if shard_size < 1:
             raise ValueError(f"shard_size must be >= 1, got {shard_size}")
@@ -170,7 +175,9 @@ class ResidentMemory:
         lora = m.lora_rank > 0
         trainable = sizes.lora_params if lora else N
         weights = (c * N + 4 * trainable) / S if lora else 4 * N / S
-        text_encoder = sizes.text_encoder_params * _DTYPE_BYTES[m.text_encoder_dtype]
+        text_encoder = (
+            sizes.text_encoder_params * text_encoder_dtype(m.text_encoder_dtype, device_type).itemsize
+        )
         in_flight = (sizes.outside_blocks + 2 * sizes.largest_block) * c
         if not p.reshard_after_forward:
             in_flight = max(sizes.expert_params) * c
@@ -180,7 +187,7 @@ class ResidentMemory:
             optimizer=8 * trainable / S,
             ema=4 * trainable / S if cfg.train.ema_decay > 0 else 0.0,
             old_policy=weights if algorithm.uses_old_policy else 0.0,
-            reference=4 * N / S if algorithm.uses_reference and not lora else 0.0,
+            reference=c * N / S if algorithm.uses_reference and not lora else 0.0,
             text_encoder=0.0 if m.text_encoder_offload else text_encoder,
             encode_visit=text_encoder if m.text_encoder_offload else 0.0,
             vae=sizes.vae_params * _DTYPE_BYTES[m.vae_dtype],
