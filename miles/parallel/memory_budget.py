@@ -18,10 +18,9 @@ micro batch x 2 with CFG, T = tokens per sp rank, D / F = hidden / FFN size.
     optimizer        8·N_t/S                       AdamW exp_avg + exp_avg_sq (fp32)
     ema              4·N_t/S                       ``train.ema_decay`` > 0: fp32 shadow of the shards
     old_policy       = weights                     DiffusionNFT's old policy: a sharded copy
-    reference        c·N/S                         full fine-tune with a KL term, frozen in the compute
-                                                   dtype (LoRA: adapters off, no copy)
+    reference        c·N/S                         full fine-tune with a KL term: a frozen copy stored in the
+                                                   compute dtype (LoRA: the adapters switched off)
     text_encoder     its params x its dtype        only when ``model.text_encoder_offload`` is False
-    encode_visit     its params x its dtype        offloaded: the encoder on the GPU while it encodes
     vae              its params x its dtype
     buffers          2·samples·K·latent·4 + 2·samples·L_text·text_dim·c   (stored SDE latents, prompts)
     gathered_train   (root + 2 blocks)·c           FSDP's current + prefetched unit (whole expert when
@@ -40,7 +39,7 @@ micro batch x 2 with CFG, T = tokens per sp rank, D / F = hidden / FFN size.
 
     persistent    = weights + optimizer + ema + old_policy + reference + text_encoder + vae + buffers
     train peak    = persistent + grads + gathered_train + activations        (+ slack <= budget)
-    rollout peak  = persistent + max(gathered_rollout + rollout_workspace, decode_workspace, encode_visit)
+    rollout peak  = persistent + max(gathered_rollout + rollout_workspace, decode_workspace)
 
 Assumptions about the rest of the trainer (issue 16): sharded loading (no unsharded fp32 copy after
 startup), the rollout gathers one expert at a time, decoded videos leave the GPU as uint8, and the
@@ -158,10 +157,14 @@ class ResidentMemory:
         return {f.name: getattr(self, f.name) / GIB for f in fields(self)}
 
     @classmethod
-    def of(cls, cfg, sizes: ModelSizes, shape: RolloutShape, shard_size: int) -> ResidentMemory:
+    def of(
+        cls, cfg, sizes: ModelSizes, shape: RolloutShape, shard_size: int, device_type: str = "cuda"
+    ) -> ResidentMemory:
         """The terms for config ``cfg`` (a ``miles.config.Config``) with parameters sharded over
-        ``shard_size`` ranks (``ParallelDims.shard``: world / replicate_size)."""
+        ``shard_size`` ranks (``ParallelDims.shard``: world / replicate_size) on ``device_type``
+        (which resolves ``model.text_encoder_dtype: auto``)."""
         from miles.algorithms import build_algorithm
+        from miles.models.wan import text_encoder_dtype
 
         if shard_size < 1:
             raise ValueError(f"shard_size must be >= 1, got {shard_size}")
@@ -172,7 +175,9 @@ class ResidentMemory:
         lora = m.lora_rank > 0
         trainable = sizes.lora_params if lora else N
         weights = (c * N + 4 * trainable) / S if lora else 4 * N / S
-        text_encoder = sizes.text_encoder_params * _DTYPE_BYTES[m.text_encoder_dtype]
+        text_encoder = (
+            sizes.text_encoder_params * text_encoder_dtype(m.text_encoder_dtype, device_type).itemsize
+        )
         in_flight = (sizes.outside_blocks + 2 * sizes.largest_block) * c
         if not p.reshard_after_forward:
             in_flight = max(sizes.expert_params) * c
@@ -182,7 +187,7 @@ class ResidentMemory:
             optimizer=8 * trainable / S,
             ema=4 * trainable / S if cfg.train.ema_decay > 0 else 0.0,
             old_policy=weights if algorithm.uses_old_policy else 0.0,
-            reference=c * N / S if algorithm.uses_reference and not lora else 0.0,  # frozen, compute dtype
+            reference=c * N / S if algorithm.uses_reference and not lora else 0.0,
             text_encoder=0.0 if m.text_encoder_offload else text_encoder,
             encode_visit=text_encoder if m.text_encoder_offload else 0.0,
             vae=sizes.vae_params * _DTYPE_BYTES[m.vae_dtype],

@@ -79,7 +79,6 @@ from miles.models.wan import (
     check_wan_folder,
     read_model_index,
     resolve_model_path,
-    text_encoder_dtype,
 )
 from miles.parallel.compile import resolve_compile
 from miles.parallel.memory_budget import (
@@ -512,7 +511,7 @@ def dry_run(
         vae_base_dim=int(getattr(model.pipeline.vae.config, "base_dim", 96) or 96),
     )
     shape = rollout_shape(cfg, model, dims.sp, num_sde_steps)
-    resident = ResidentMemory.of(cfg, sizes, shape, dims.shard)
+    resident = ResidentMemory.of(cfg, sizes, shape, dims.shard, device_type)
     budget_mode = cfg.model.activation_checkpointing == "budget"
     budget = cfg.model.activation_memory_budget_gib * GIB
     try:

@@ -359,7 +359,7 @@ class Trainer:
         pipe = self.model.pipeline
         sizes = model_sizes(self.model.transformers, pipe.text_encoder, pipe.vae)
         shape = rollout_shape(self.cfg, self.model, self.dims.sp, count_sde_steps(self.cfg))
-        return ResidentMemory.of(self.cfg, sizes, shape, self.dims.shard)
+        return ResidentMemory.of(self.cfg, sizes, shape, self.dims.shard, self.device.type)
 
     def _install_sp(self, transformer: nn.Module) -> None:
         plan = self.model.sequence_parallel_plan(transformer) if self.dims.sp > 1 else None

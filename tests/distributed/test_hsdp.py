@@ -10,9 +10,11 @@ R=4 (shards of one rank: DDP-like), and dp2 x sp2 vs HSDP R=2 (each shard group 
    Both take a mean over the 4 ranks, so the gradients differ only by the order of a 4-term sum:
    per element |g_hsdp - g_fsdp| <= 2 · eps32 · max|g| of the tensor (ulps of the largest
    partial). Measured at seed 173205: at most 1.09 eps32 · max|g| (printed per pair).
-2. Training: 5 AdamW steps on fixed batches; the loss trajectories agree to rtol 1e-5 (the
-   per-step gradient differences are ulps; Adam's update is sign-like, so an ulp can move an
-   element whose gradient is rounding noise by up to 2·lr — the loss barely sees it).
+2. Training: 5 AdamW steps on fixed batches; the loss trajectories and the gradient norms that
+   clipping sees (``clip_grad_norm_`` on the DTensors, as the trainer calls it: replicas must not
+   count a shard twice) agree to rtol 1e-5 (the per-step gradient differences are ulps; Adam's
+   update is sign-like, so an ulp can move an element whose gradient is rounding noise by up to
+   2·lr — the loss barely sees it).
 3. Checkpoints: a DCP checkpoint saved under HSDP (``miles.train.checkpoint.save_checkpoint``:
    weights + AdamW state after a step) loads under plain FSDP bitwise, and vice versa.
 """
@@ -67,12 +69,13 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t.clone()
 
 
-def _run(base, world_size: int, layout: tuple, seed: int) -> tuple[dict, list[float], list]:
-    """First-step full gradients and the loss of each of STEPS AdamW steps (global-batch mean)."""
+def _run(base, world_size: int, layout: tuple, seed: int) -> tuple[dict, list[float], list[float]]:
+    """First-step full gradients, and the loss (global-batch mean) and gradient norm (as
+    ``Trainer._clip_grad_norm`` computes it) of each of STEPS AdamW steps."""
     _, sp, ulysses, replicate = layout
     dims, mesh, model, handle = _build(base, world_size, sp, ulysses, replicate)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    first_grads, losses = None, []
+    first_grads, losses, norms = None, [], []
     for step in range(STEPS):
         inputs, target = _local(*make_batch(seed + step), mesh, dims)
         optimizer.zero_grad(set_to_none=True)
@@ -80,12 +83,14 @@ def _run(base, world_size: int, layout: tuple, seed: int) -> tuple[dict, list[fl
         loss.backward()
         if first_grads is None:
             first_grads = {n: _full(p.grad) for n, p in model.named_parameters()}
+        norm = torch.nn.utils.clip_grad_norm_(list(model.parameters()), 1e9, foreach=True)
+        norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
         optimizer.step()
         mean = loss.detach().clone()
         dist.all_reduce(mean)  # sp peers repeat their dp rank's loss: the mean over ranks is the global one
         losses.append(mean.item() / world_size)
     handle.remove()
-    return first_grads, losses
+    return first_grads, losses, norms
 
 
 def _hsdp_vs_fsdp_body(rank: int, world_size: int, seed: int) -> None:
@@ -93,8 +98,10 @@ def _hsdp_vs_fsdp_body(rank: int, world_size: int, seed: int) -> None:
     torch.manual_seed(seed)
     base = tiny_wan()
     for plain, hsdp in PAIRS:
-        grads, losses = _run(base, world_size, plain, seed)
-        h_grads, h_losses = _run(base, world_size, hsdp, seed)
+        grads, losses, norms = _run(base, world_size, plain, seed)
+        h_grads, h_losses, h_norms = _run(base, world_size, hsdp, seed)
+        # the norm of replicated shards is counted once, not once per replica
+        torch.testing.assert_close(torch.tensor(h_norms), torch.tensor(norms), rtol=LOSS_RTOL, atol=0)
         worst = 0.0
         for name, g in grads.items():
             scale = g.abs().max().item() * torch.finfo(torch.float32).eps

@@ -98,8 +98,9 @@ def _hand(cfg, sizes: ModelSizes, shape: RolloutShape, S: int, *, lora: bool, ol
     N, Nt = sum(sizes.expert_params), (sizes.lora_params if lora else sum(sizes.expert_params))
     weights = (c * N + 4 * Nt) / S if lora else 4 * N / S
     in_flight = (sizes.outside_blocks + 2 * sizes.largest_block) * c
-    te = sizes.text_encoder_params * (4 if cfg.model.text_encoder_dtype == "float32" else 2)
-    offload = cfg.model.text_encoder_offload
+    # model.text_encoder_dtype auto: bf16 on CUDA (ResidentMemory.of's default device type)
+    te_all = sizes.text_encoder_params * (4 if cfg.model.text_encoder_dtype == "float32" else 2)
+    te = 0 if cfg.model.text_encoder_offload else te_all
     h, w, f = shape.height, shape.width, shape.num_frames
     if cfg.model.vae_tiling:
         th, tw = min(h, 256), min(w, 256)
@@ -111,8 +112,9 @@ def _hand(cfg, sizes: ModelSizes, shape: RolloutShape, S: int, *, lora: bool, ol
         optimizer=8 * Nt / S,
         ema=4 * Nt / S if cfg.train.ema_decay > 0 else 0,
         old_policy=weights if old else 0,
-        reference=c * N / S if ref else 0,  # frozen, stored in the compute dtype
-        text_encoder=0 if offload else te,
+        reference=c * N / S if ref else 0,
+        text_encoder=te,
+        encode_visit=te_all if cfg.model.text_encoder_offload else 0,
         vae=sizes.vae_params * v,
         buffers=2 * shape.samples_per_rank * shape.num_sde_steps * shape.latent_numel * 4
         + 2 * shape.samples_per_rank * shape.text_tokens * sizes.text_dim * c,
@@ -124,7 +126,6 @@ def _hand(cfg, sizes: ModelSizes, shape: RolloutShape, S: int, *, lora: bool, ol
         * (16 * sizes.hidden_size + 2 * sizes.ffn_dim)
         * c,
         decode_workspace=shape.micro_batch * (6 * f * h * w * 4 + 6 * 4 * sizes.vae_base_dim * th * tw * v),
-        encode_visit=te if offload else 0,  # the offloaded encoder visits the GPU to encode
     )
 
 
