@@ -38,12 +38,43 @@ PEAK_TFLOPS = 782.0  # bf16 dense matmul, H200 (DESIGN.md)
 STEP_PHASES = ("rollout", "decode+reward", "train")
 
 
+def pickscore_sized_config(bos: int, eos: int):
+    """The ``CLIPConfig`` of PickScore_v1 (laion CLIP-ViT-H-14): 986M parameters."""
+    from transformers import CLIPConfig
+
+    config = CLIPConfig(
+        text_config=dict(
+            hidden_size=1024,
+            intermediate_size=4096,
+            num_hidden_layers=24,
+            num_attention_heads=16,
+            vocab_size=49408,
+            max_position_embeddings=77,
+            hidden_act="gelu",
+            bos_token_id=bos,
+            eos_token_id=eos,
+            pad_token_id=eos,
+        ),
+        vision_config=dict(
+            hidden_size=1280,
+            intermediate_size=5120,
+            num_hidden_layers=32,
+            num_attention_heads=16,
+            image_size=224,
+            patch_size=14,
+            hidden_act="gelu",
+        ),
+        projection_dim=1024,
+    )
+    return config
+
+
 def pickscore_sized_clip(path: Path, tiny: bool = False) -> Path:
     """A random CLIP of PickScore_v1's size (ViT-H-14: vision 1280 x 32 layers, patch 14 at 224;
     text 1024 x 24 layers; projection 1024) with a byte-level tokenizer, saved to ``path``;
     ``tiny``: ``miles.rewards.tiny_clip``'s stand-in."""
     import torch
-    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor, CLIPTokenizer
+    from transformers import CLIPImageProcessor, CLIPModel, CLIPProcessor, CLIPTokenizer
 
     from miles.rewards.tiny_clip import BOS, EOS, _byte_level_vocab, tiny_clip
 
@@ -57,30 +88,7 @@ def pickscore_sized_clip(path: Path, tiny: bool = False) -> Path:
     )
     tokenizer.model_max_length = 77
     image_processor = CLIPImageProcessor(size={"shortest_edge": 224}, crop_size={"height": 224, "width": 224})
-    config = CLIPConfig(
-        text_config=dict(
-            hidden_size=1024,
-            intermediate_size=4096,
-            num_hidden_layers=24,
-            num_attention_heads=16,
-            vocab_size=49408,
-            max_position_embeddings=77,
-            hidden_act="gelu",
-            bos_token_id=vocab[BOS],
-            eos_token_id=vocab[EOS],
-            pad_token_id=vocab[EOS],
-        ),
-        vision_config=dict(
-            hidden_size=1280,
-            intermediate_size=5120,
-            num_hidden_layers=32,
-            num_attention_heads=16,
-            image_size=224,
-            patch_size=14,
-            hidden_act="gelu",
-        ),
-        projection_dim=1024,
-    )
+    config = pickscore_sized_config(vocab[BOS], vocab[EOS])
     torch.manual_seed(0)
     model = CLIPModel(config).eval()
     model.save_pretrained(path)

@@ -201,6 +201,19 @@ def test_step_bench_summary_arithmetic():
     assert s["peak_gib"] == 1000.0 and s["peak_within_budget"] is False
 
 
+def test_pickscore_sized_clip_has_pickscores_size():
+    import torch
+    from transformers import CLIPModel
+
+    from bench.step_bench import pickscore_sized_config
+
+    with torch.device("meta"):
+        model = CLIPModel(pickscore_sized_config(0, 1))
+    vision = sum(p.numel() for p in model.vision_model.parameters())
+    assert 0.98e9 < sum(p.numel() for p in model.parameters()) < 0.99e9  # PickScore_v1: 986M
+    assert 0.63e9 < vision < 0.64e9  # ViT-H-14's tower: 632M
+
+
 @pytest.mark.parametrize(
     "name, per_expert, experts, tokens, shape",
     [
