@@ -1,6 +1,6 @@
 """Export cost: the streaming export against the former gather-all export, and checkpoint bytes.
 
-    python bench/export_stream.py --out bench/results/export_stream.json
+    python bench/export_stream.py --out docs/bench/export_stream_cpu.json
     python bench/export_stream.py --out OUT.json --layers 6 --modes full lora
 
 Builds a Wan folder of a few hundred MB (the embedded tiny single-expert pipeline with its
@@ -55,8 +55,6 @@ def build_model(root: Path, layers: int) -> Path:
 
 
 def _child(mode: str, path: str, model: str, root: str, result: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000))
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", HF_HUB_OFFLINE="1")
     import miles.train.trainer as T
     from miles.config import parse_args
     from miles.train.export import export_pipeline, export_pipeline_gathered
@@ -114,6 +112,8 @@ def _spawned(rank: int, *args) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(2)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000))
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", HF_HUB_OFFLINE="1")
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         _child(*args)
