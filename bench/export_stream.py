@@ -1,6 +1,6 @@
 """Export cost: the streaming export against the former gather-all export, and checkpoint bytes.
 
-    python bench/export_stream.py --out bench/results/export_stream.json
+    python bench/export_stream.py --out docs/bench/export_stream_cpu.json
     python bench/export_stream.py --out OUT.json --layers 6 --modes full lora
 
 Builds a Wan folder of a few hundred MB (the embedded tiny single-expert pipeline with its
@@ -10,7 +10,8 @@ one fresh process (world 1, gloo, CPU) that builds the real Trainer (FSDP2-shard
 bf16), saves a checkpoint (lean, and the former way with every parameter), and exports. Reported
 per run: the checkpoints' bytes, the export's wall
 seconds and its peak extra host memory (RSS sampled every 2 ms during the export, minus the RSS
-before it; file pages the export maps count, as they do for the process). The numbers go to
+before it; file pages the export maps count, as they do for the process; ``anon``: the same for
+anonymous memory only, without the memory-mapped base files). The numbers go to
 ``--out`` (JSON) and a short table is printed. Wall times on a shared machine vary; the memory is
 the number to read.
 """
@@ -38,6 +39,13 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def _rss_anon() -> int:
+    """Anonymous resident bytes (no file pages: memory-mapped weight files are not counted)."""
+    with open("/proc/self/status") as f:
+        line = next(x for x in f if x.startswith("RssAnon:"))
+    return int(line.split()[1]) * 1024
+
+
 def build_model(root: Path, layers: int) -> Path:
     """The tiny single-expert folder with a few-hundred-MB transformer (random, fixed seed)."""
     from diffusers import WanTransformer3DModel
@@ -55,8 +63,6 @@ def build_model(root: Path, layers: int) -> Path:
 
 
 def _child(mode: str, path: str, model: str, root: str, result: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000))
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", HF_HUB_OFFLINE="1")
     import miles.train.trainer as T
     from miles.config import parse_args
     from miles.train.export import export_pipeline, export_pipeline_gathered
@@ -71,11 +77,11 @@ def _child(mode: str, path: str, model: str, root: str, result: str) -> None:
     ckpt_bytes = _checkpoint_bytes(trainer, lean=True)
     former_bytes = _checkpoint_bytes(trainer, lean=False)
     export = export_pipeline if path == "stream" else export_pipeline_gathered
-    base, peak, done = _rss(), [0], threading.Event()
+    base, base_anon, peak, done = _rss(), _rss_anon(), [0, 0], threading.Event()
 
     def sample() -> None:
         while not done.is_set():
-            peak[0] = max(peak[0], _rss())
+            peak[0], peak[1] = max(peak[0], _rss()), max(peak[1], _rss_anon())
             time.sleep(0.002)
 
     thread = threading.Thread(target=sample, daemon=True)
@@ -89,6 +95,7 @@ def _child(mode: str, path: str, model: str, root: str, result: str) -> None:
     out = {"mode": mode, "path": path, "params": params, "checkpoint_bytes": ckpt_bytes}
     out["former_checkpoint_bytes"] = former_bytes
     out.update(export_seconds=seconds, export_peak_extra_rss_bytes=max(peak[0], _rss()) - base)
+    out["export_peak_extra_anon_rss_bytes"] = max(peak[1], _rss_anon()) - base_anon
     Path(result).write_text(json.dumps(out))
     trainer.close()
 
@@ -114,6 +121,8 @@ def _spawned(rank: int, *args) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(2)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000))
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", HF_HUB_OFFLINE="1")
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         _child(*args)

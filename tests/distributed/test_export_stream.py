@@ -9,8 +9,10 @@ full fp32 state on rank 0 and ``save_pretrained``):
   that every transformer is split into several files with an index: every tensor of both experts
   equals the reference's bit for bit (name, dtype, shape, bytes), the folder loads with
   ``WanPipeline.from_pretrained``, and the other components are hard links to the model folder's files;
-- LoRA at dp2, fp32 and bf16: the adapter files hold the reference's metadata and tensors, and the merged
-  transformers (computed from the base files, rounded once) equal the reference's bit for bit.
+- LoRA at dp2, fp32 and bf16: the adapter files hold the reference's metadata and tensors; the merged
+  transformers equal (W from the base files in fp32 + (alpha/r) B A) rounded once to each tensor's
+  output dtype bit for bit, and in fp32 also the reference's (in bf16 the trainer holds the frozen
+  base in bf16, so the former path merged an already-rounded W: it rounded twice).
 
 About 40 s on 2 cores.
 """
@@ -107,6 +109,35 @@ def _assert_same_file(got: Path, want: Path) -> None:
             assert x.dtype == y.dtype and torch.equal(x, y), (got, key)
 
 
+def _assert_merged_formula(new: Path, model: Path, old: Path, scale: float = 64 / 4) -> None:
+    """merged = (W_file in fp32 + scale * B A) rounded once to the dtype the former export gave each
+    tensor, bit for bit; A, B from the exported adapter files."""
+    import torch
+
+    for name in EXPERTS:
+        base, merged, former = (
+            _tensors(model / name),
+            _tensors(new / "merged" / name),
+            _tensors(old / "merged" / name),
+        )
+        lora = _tensors(new / "lora" / name)
+        assert merged.keys() == base.keys() == former.keys(), name
+        adapted = 0
+        for key, w in base.items():
+            expect = w.float()
+            module = key.removesuffix(".weight")
+            if f"transformer.{module}.lora_A.weight" in lora:
+                a, b = (
+                    lora[f"transformer.{module}.lora_A.weight"],
+                    lora[f"transformer.{module}.lora_B.weight"],
+                )
+                expect = expect + (b @ a) * scale
+                adapted += 1
+            expect = expect.to(former[key].dtype)
+            assert merged[key].dtype == expect.dtype and torch.equal(merged[key], expect), (name, key)
+        assert adapted >= 10, adapted
+
+
 def _assert_linked(pipeline: Path, model: Path) -> None:
     """Every file of the non-expert components is a hard link to the model folder's file."""
     linked = 0
@@ -165,7 +196,11 @@ def _lora(rank, root: Path, model: Path, dtype: str) -> None:
         for name in EXPERTS:
             (file,) = (new / "lora" / name).iterdir()
             _assert_same_file(file, old / "lora" / name / file.name)
-        _assert_same_transformers(new / "merged", old / "merged")
+        if dtype == "float32":  # the trainer holds the base in fp32: the former path is the reference
+            _assert_same_transformers(new / "merged", old / "merged")
+        # The formula from the model folder's fp32 base, rounded once (in bf16 the trainer holds the
+        # base in bf16, and the former path merged that already-rounded copy: it rounded twice).
+        _assert_merged_formula(new, model, old)
         _assert_linked(new / "merged", model)
     dist.barrier()
 

@@ -4,7 +4,7 @@ deterministic mode, one optimizer step per rollout, a checkpoint after every rol
 - Size: the LoRA checkpoint holds the adapters, their AdamW state and their EMA, no frozen weight
   (no ``.base_layer.`` key): it is smaller than the same state saved the former way (every parameter,
   ``StateDictOptions()``) by at least the frozen weights' bytes. (Rank 4 on the tiny model is large
-  next to its base; at Wan scale the ratio is ~16x, see docs/scale.md.)
+  next to its base; at A14B the ratio is 9x to 16x, see docs/scale.md.)
 - Resume, bitwise, across layouts: run A trains 2 rollouts at dp4. A's step-1 checkpoint is
   resumed at dp2 x sp2 (the weights sha256 at load equals A's at step 1) and saved again there; that
   checkpoint is resumed at dp4 and trained to step 2: its weights equal A's at step 2 bit for bit.
