@@ -45,11 +45,12 @@ LoRA adapters), N_root / N_block = parameters outside the blocks / of the larges
   4·F bytes a token (the norms, modulation and RoPE make ~13 fp32 temporaries of width D),
   an fp32 block 87·D + 8·F. Ulysses/ring add a few D·b more per token; the calibration on
   CUDA that ``budget`` runs (``measure_block_memory``) is the measurement to trust.
-- rollout copy N·b                          ``parallel.rollout_unsharded``: every expert gathered
-                                            for the whole rollout (replaces "in flight")
+- rollout copy max_e N_e·b                  ``parallel.rollout_unsharded``: the largest expert
+                                            gathered (one at a time; replaces "in flight")
 - rollout act. B·T·(16·D + 2·F)·b           one block's no-grad working set (rough)
 - buffers      stored rollout latents (2·samples·K·latent·4 bytes) + prompt embeddings
-- frozen       text encoder and VAE, replicated on every rank, in their configured dtypes
+- frozen       VAE (and the text encoder unless ``model.text_encoder_offload``), replicated on
+               every rank, in their configured dtypes
 
 train peak = params + in flight + grads + optimizer + reference + activations + buffers + frozen;
 rollout peak = params + (rollout copy or in flight) + optimizer + reference + rollout act. +
@@ -507,10 +508,14 @@ def dry_run(
     buffers = 2 * samples * num_sde_steps * latent_numel * 4 + 2 * samples * cfg.data.max_sequence_length * (
         tcfg.text_dim * b
     )
-    frozen = (
+    # With model.text_encoder_offload the encoder visits the GPU only to encode, while the experts
+    # are sharded and nothing else runs: it is not resident at either peak.
+    text_encoder_bytes = (
         text_encoder_params * text_encoder_dtype(cfg.model.text_encoder_dtype, device_type).itemsize
-        + vae_params * DTYPES[cfg.model.vae_dtype].itemsize
     )
+    frozen = (0 if cfg.model.text_encoder_offload else text_encoder_bytes) + vae_params * DTYPES[
+        cfg.model.vae_dtype
+    ].itemsize
     mem = {
         "params": total * b / W,
         "gathered_in_flight": in_flight,
@@ -518,7 +523,8 @@ def dry_run(
         "optimizer": 2 * trainable * b / W,
         "reference": total * b / W if cfg.grpo.kl_beta > 0 and cfg.model.lora_rank == 0 else 0.0,
         "activations": activations,
-        "rollout_unsharded": total * b if p.rollout_unsharded else 0.0,
+        # one expert (and its share of the adapters) gathered at a time
+        "rollout_unsharded": (max(per_expert) + lora / len(per_expert)) * b if p.rollout_unsharded else 0.0,
         "rollout_activations": B * T * (16 * D + 2 * F) * b,
         "buffers": buffers,
         "frozen": frozen,
