@@ -60,9 +60,13 @@ class ModelConfig:
     tiny_model_dir: str = ".cache/tiny-wan"
     """Where the embedded tiny models are built (``make tiny-model``)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
-    """Parameter and compute dtype of the transformer(s) in rollout and training (bf16 on GPU)."""
-    text_encoder_dtype: Literal["float32", "bfloat16"] = "float32"
-    """dtype of the frozen text encoder."""
+    """Compute dtype of the transformer(s) in rollout and training (bf16 on GPU). A full fine-tune
+    keeps fp32 master weights (FSDP2 casts them); with LoRA the frozen base is stored in this dtype
+    (and a full fine-tune's KL reference too), the adapters in fp32."""
+    text_encoder_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """dtype of the frozen text encoder. ``auto``: bfloat16 on CUDA (UMT5-XXL: 11.4 GB instead of
+    22.7 GB), float32 on CPU (CPU bf16 matmuls are slow, and the tiny models and the tiny world were
+    built with fp32 text embeddings: their reference numbers stay bitwise)."""
     vae_dtype: Literal["float32", "bfloat16"] = "float32"
     """dtype of the frozen VAE."""
     activation_checkpointing: Literal["none", "selective", "attention", "full", "budget"] = "none"
@@ -71,8 +75,11 @@ class ModelConfig:
     linears too); ``full`` recomputes whole blocks (+1 forward); ``budget`` picks per block to fit
     ``activation_memory_budget_gib``."""
     activation_memory_budget_gib: float = 40.0
-    """With ``activation_checkpointing: budget``: the per-rank GPU memory for training (weights,
-    gradients and optimizer state are subtracted; activations get the rest)."""
+    """With ``activation_checkpointing: budget``: the per-rank TOTAL GPU memory the run promises to
+    stay within, in every phase. Everything resident (weights, gradients, optimizer, EMA, old policy,
+    KL reference, text encoder if not offloaded, VAE, the rollout's gathered expert and decode) and a
+    5% allocator slack are subtracted (``miles/parallel/memory_budget.py``); activations get the rest.
+    A budget the rollout alone cannot meet is refused at startup."""
     compile: Literal["auto", "on", "off"] = "auto"
     """``torch.compile`` each transformer block (fuses Wan's fp32 norm/modulation/RoPE kernels; the
     first step pays the compile time). ``auto``: on CUDA only."""
@@ -86,13 +93,16 @@ class ModelConfig:
     """Module names LoRA adapts."""
     init: Literal["pretrained", "random"] = "pretrained"
     """``pretrained``: load the folder's weights (each rank reads only its own shards of the
-    transformers). ``random``: build every component from its config.json with random weights and
-    read no weight file: for memory rehearsals and benchmarks on config-only folders."""
+    transformers: docs/scale.md). ``random``: build every component from its config.json with random
+    weights and read no weight file: for memory rehearsals and benchmarks on config-only folders
+    (the transformers' weights depend only on ``run.seed``, not on the layout)."""
     text_encoder_offload: bool = True
     """Keep the text encoder on the CPU between encodings (it visits the GPU to encode a rollout's
-    new prompts; embeddings are cached on the CPU). False keeps it resident on the GPU."""
+    unique prompts, once per rollout, and the negative prompt, once per run; embeddings are cached
+    on the CPU: ``miles.rollout.prompt_cache``). False keeps it resident on the GPU."""
     vae_tiling: bool = False
-    """Decode videos tile by tile (diffusers' ``enable_tiling``): less decode memory, a little slower."""
+    """Decode videos tile by tile (diffusers' ``enable_tiling``: 256-px tiles, 192-px stride, blended):
+    less decode memory, a little slower, frames close to (not bitwise) the untiled decode."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -115,7 +125,8 @@ class ParallelConfig:
     each group of world/replicate_size ranks. 1: plain FSDP over every rank."""
     rollout_unsharded: bool = True
     """Rollout: gather the parameters once per rollout instead of once per block per denoising
-    step (uses one full copy of the transformer's weights per rank while sampling)."""
+    step. Two experts are gathered one at a time (every micro-batch's high-noise steps, then the
+    low-noise steps), so sampling holds one expert's full weights per rank (docs/rollout_memory.md)."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -434,6 +445,7 @@ def validate(cfg: Config) -> None:
         ),
         (cfg.parallel.sequence_parallel_size >= 1, "--sequence-parallel-size must be >= 1"),
         (cfg.parallel.ulysses_degree >= 0, "--ulysses-degree must be >= 0 (0 picks it automatically)"),
+        (cfg.parallel.replicate_size >= 1, "--parallel.replicate-size must be >= 1 (1: plain FSDP, no HSDP)"),
         (bool(cfg.reward.weights), "reward.weights must name at least one reward"),
     ]
     for ok, message in checks:

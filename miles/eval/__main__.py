@@ -33,6 +33,9 @@ def load_checkpoint_weights(model, checkpoint: Path, model_cfg: ModelConfig) -> 
     import torch.distributed.checkpoint as dcp
     from torch import nn
 
+    from miles.train.fingerprint import model_fingerprint
+    from miles.train.resume import check_base_model
+
     if not (checkpoint / "COMPLETE").is_file():
         raise ValueError(f"{checkpoint} is not a complete checkpoint (no COMPLETE marker)")
     if model_cfg.lora_rank > 0:
@@ -48,9 +51,17 @@ def load_checkpoint_weights(model, checkpoint: Path, model_cfg: ModelConfig) -> 
                 )
             )
     experts = nn.ModuleList(model.transformers)
-    state = {"model": experts.state_dict()}
+    # Lean checkpoints hold the trained parameters only (LoRA: the adapters); the rest is the
+    # model folder's, which must be the one the checkpoint was trained from.
+    check_base_model(checkpoint, _saved(checkpoint).get("model_fingerprint"), model_fingerprint(model.path))
+    trained = {k: v for k, v in experts.state_dict().items() if model_cfg.lora_rank == 0 or ".lora_" in k}
+    state = {"model": trained}
     dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
-    experts.load_state_dict(state["model"])
+    experts.load_state_dict(state["model"], strict=model_cfg.lora_rank == 0)
+
+
+def _saved(checkpoint: Path) -> dict:
+    return json.loads((checkpoint / "trainer.json").read_text())
 
 
 def _compute_in(transformer, dtype: str) -> None:

@@ -16,7 +16,8 @@ Two samplers:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from miles.rollout.condition import conditions_of
-from miles.rollout.sampler import predict_velocity, sample_with_logprob
+from miles.rollout.sampler import begin_sampling, expert_phases, predict_velocity, sample_with_logprob
 
 _EVAL_STREAM = 4
 """Tag of the evaluation noise stream (the trainer's rollout streams are 1-3)."""
@@ -150,6 +151,8 @@ def evaluate(
     dp_group=None,
     keep_videos: bool = True,
     images: Sequence | None = None,
+    encode: Callable[[list[str]], tuple[torch.Tensor, torch.Tensor]] | None = None,
+    gather: Callable[[list[nn.Module]], contextlib.AbstractContextManager] | None = None,
 ) -> dict:
     """Sample and score ``prompts`` x ``num_seeds`` (collective over the dp group when dp_size > 1).
 
@@ -157,19 +160,26 @@ def evaluate(
     then each reward — with ``prompts`` and ``seeds`` (N,) in sample order, and ``videos``: the
     decoded (F, 3, H, W) videos of the micro-batches this rank sampled, keyed by sample index.
     ``images``: image-to-video, one image file per prompt (the first frame every seed animates).
+    ``encode(texts)``: (prompt, negative) embeddings (default: ``model.encode_prompts``; the trainer
+    passes its prompt cache). ``gather(experts)``: a context holding those experts' full weights
+    (the trainer's ``unsharded_for_rollout``): the ``rollout`` sampler gathers one expert at a time
+    over all of this rank's micro-batches, the ``pipeline`` sampler both at once.
     """
     if settings.sampler not in ("rollout", "pipeline"):
         raise ValueError(f"eval.sampler must be rollout or pipeline, got {settings.sampler!r}")
     samples = [(i, s) for i in range(len(prompts)) for s in range(num_seeds)]
     mb = settings.micro_batch_size
     chunks = [list(range(k, min(k + mb, len(samples)))) for k in range(0, len(samples), mb)]
-    scores = torch.zeros(1 + len(rewards.names), len(samples), dtype=torch.float64)
-    videos: dict[int, torch.Tensor] = {}
-    for c, idx in enumerate(chunks):
-        if c % dp_size != dp_rank:
-            continue
+    mine = [idx for c, idx in enumerate(chunks) if c % dp_size == dp_rank]
+    if encode is None:
+
+        def encode(texts):
+            return model.encode_prompts(texts, negative_prompt, max_sequence_length, device)
+
+    inputs = []
+    for idx in mine:
         texts = [prompts[samples[j][0]] for j in idx]
-        pos, neg = model.encode_prompts(texts, negative_prompt, max_sequence_length, device)
+        pos, neg = encode(texts)
         noise = torch.stack([eval_noise(settings.latent_shape, settings.seed, *samples[j]) for j in idx])
         condition = chunk_images = None
         if images is not None:
@@ -177,7 +187,11 @@ def evaluate(
             size = dict(num_frames=frames, height=height, width=width, device=device)
             chunk_images = [images[samples[j][0]] for j in idx]
             condition = conditions_of(model, chunk_images, **size)
-        final = _sample(model, pos, neg, noise.to(device), settings, condition)
+        inputs.append((texts, chunk_images, pos, neg, noise.to(device), condition))
+    finals = _sample_all(model, inputs, settings, gather or (lambda experts: contextlib.nullcontext()))
+    scores = torch.zeros(1 + len(rewards.names), len(samples), dtype=torch.float64)
+    videos: dict[int, torch.Tensor] = {}
+    for idx, (texts, chunk_images, *_), final in zip(mine, inputs, finals):
         video = model.decode(final)
         scored = (video, texts) if chunk_images is None else (video, texts, chunk_images)
         combined, per_reward = rewards(*scored)
@@ -197,6 +211,43 @@ def evaluate(
         "seeds": [s for _, s in samples],
         "videos": videos,
     }
+
+
+@torch.no_grad()
+def _sample_all(model, inputs: list[tuple], settings: EvalSettings, gather) -> list[torch.Tensor]:
+    """The clean latents of every micro-batch's (…, pos, neg, noise, condition): the ``rollout``
+    sampler one expert at a time over all micro-batches (bitwise each sampled alone), the
+    ``pipeline`` sampler (per-call scheduler state) micro-batch by micro-batch with both gathered."""
+    if settings.sampler == "pipeline":
+        with gather(list(model.transformers)):
+            return [_sample(model, pos, neg, noise, settings, cond) for *_, pos, neg, noise, cond in inputs]
+    runs = [
+        begin_sampling(
+            pos,
+            neg,
+            settings.latent_shape,
+            num_steps=settings.num_steps,
+            shift=settings.shift,
+            guidance_scales=settings.guidance_scales,
+            boundary_ratio=settings.boundary_ratio,
+            noise_level=0.0,
+            generator=None,
+            latents=noise,
+            sde_steps=[],
+            expand_timesteps=settings.expand_timesteps,
+            condition=cond,
+            device=noise.device,
+        )
+        for *_, pos, neg, noise, cond in inputs
+    ]
+    experts = model.transformers
+    for e, start, stop in expert_phases(
+        settings.num_steps, settings.shift, settings.boundary_ratio, len(experts)
+    ):
+        with gather([experts[e]]):
+            for run in runs:
+                run.run_steps(experts, start, stop)
+    return [run.finish().final_latents for run in runs]
 
 
 def summarize(result: dict) -> dict[str, float]:

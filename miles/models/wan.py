@@ -34,6 +34,7 @@ class WanModel:
     pipeline: object  # the diffusers WanPipeline (text encoder, tokenizer, VAE)
     condition_mode: str | None = None  # image-to-video: "concat" or "first_frame" (miles.rollout.condition)
     image_pipeline: object | None = None  # image-to-video: the WanImageToVideoPipeline sharing the modules
+    text_encoder_offload: bool = False  # the text encoder lives on the CPU and visits the device to encode
 
     @property
     def num_attention_heads(self) -> int:
@@ -65,13 +66,20 @@ class WanModel:
     def encode_prompts(self, prompts: list[str], negative_prompt: str, max_sequence_length: int, device):
         """(prompt_embeds, negative_embeds), each (B, L, text_dim), via the pipeline's own encoder."""
         pipe = self.pipeline
-        pos, neg = pipe.encode_prompt(
-            prompt=prompts,
-            negative_prompt=[negative_prompt] * len(prompts),
-            do_classifier_free_guidance=True,
-            max_sequence_length=max_sequence_length,
-            device=device,
-        )
+        home = next(pipe.text_encoder.parameters()).device
+        if self.text_encoder_offload:
+            pipe.text_encoder.to(device)
+        try:
+            pos, neg = pipe.encode_prompt(
+                prompt=prompts,
+                negative_prompt=[negative_prompt] * len(prompts),
+                do_classifier_free_guidance=True,
+                max_sequence_length=max_sequence_length,
+                device=device,
+            )
+        finally:
+            if self.text_encoder_offload:
+                pipe.text_encoder.to(home)
         return pos, neg
 
     @torch.no_grad()
@@ -100,6 +108,15 @@ class WanModel:
         z = z / inv_std + mean
         video = vae.decode(z, return_dict=False)[0]  # (B, 3, F, H, W) in [-1, 1]
         return ((video.float() / 2 + 0.5).clamp(0, 1)).permute(0, 2, 1, 3, 4).contiguous()
+
+
+def text_encoder_dtype(name: str, device_type: str) -> torch.dtype:
+    """``model.text_encoder_dtype`` on a device type: ``auto`` is bfloat16 on CUDA, float32 elsewhere."""
+    if name == "auto":
+        return torch.bfloat16 if device_type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"model.text_encoder_dtype must be auto or one of {sorted(DTYPES)}, got {name!r}")
+    return DTYPES[name]
 
 
 def resolve_model_path(cfg: ModelConfig) -> Path:
@@ -145,46 +162,100 @@ def transformer_config(path: Path) -> dict:
     return json.loads(file.read_text())
 
 
-def load_wan(cfg: ModelConfig, device: torch.device) -> WanModel:
-    """Load the pipeline from a local folder (hub never contacted), move it to ``device``."""
+def load_wan(cfg: ModelConfig, device: torch.device, experts: str = "load", seed: int = 0) -> WanModel:
+    """Load the pipeline from a local folder (hub never contacted), move it to ``device``.
+
+    ``experts``: ``load`` loads the transformer(s) whole in fp32 and moves them to ``device``;
+    ``skeleton`` builds them on the meta device from their config.json (the trainer shards them,
+    then each rank reads only its own shards: :mod:`miles.models.sharded_load`). The text encoder
+    stays on the CPU when ``cfg.text_encoder_offload`` (:meth:`WanModel.encode_prompts` moves it
+    to ``device`` for each call). ``cfg.init == "random"``: every component is built from its
+    config.json with random weights and no weight file is read (the transformers as skeletons
+    unless ``experts`` is ``load``, then with :class:`RandomInit`'s weights for ``seed`` on ``device``)."""
     from diffusers import WanImageToVideoPipeline, WanPipeline
 
     from miles.models.i2v import condition_mode, text_pipeline
+    from miles.models.sharded_load import RandomInit, build_skeleton, materialize
 
+    if experts not in ("load", "skeleton"):
+        raise ValueError(f"experts must be 'load' or 'skeleton', got {experts!r}")
     path = resolve_model_path(cfg)
-    mode = condition_mode(path, check_wan_folder(path), cfg.task)
+    info = check_wan_folder(path)
+    mode = condition_mode(path, info, cfg.task)
     # dtypes at load time: diffusers keeps its fp32-sensitive modules (norms, rope) in fp32.
     # The transformers keep fp32 master weights; FSDP2 casts them to ``cfg.dtype`` for compute.
     dtypes = {
         "transformer": torch.float32,
         "transformer_2": torch.float32,
-        "text_encoder": DTYPES[cfg.text_encoder_dtype],
+        "text_encoder": text_encoder_dtype(cfg.text_encoder_dtype, torch.device(device).type),
         "vae": DTYPES[cfg.vae_dtype],
         "default": torch.float32,
     }
+    subs = [s for s in ("transformer", "transformer_2") if (info.get(s) or [None])[0] is not None]
+    given = {}
+    if experts == "skeleton" or cfg.init == "random":
+        given = {s: build_skeleton(path, s) for s in subs}
+    if cfg.init == "random":
+        given.update(random_components(path, info, dtypes))
+    pipeline_class = WanPipeline if mode is None else WanImageToVideoPipeline
+    loaded = pipeline_class.from_pretrained(path, local_files_only=True, dtype=dtypes, **given)
     image_pipe = None
     if mode is None:
-        pipe = WanPipeline.from_pretrained(path, local_files_only=True, dtype=dtypes)
+        pipe = loaded
     else:
-        image_pipe = WanImageToVideoPipeline.from_pretrained(path, local_files_only=True, dtype=dtypes)
+        image_pipe = loaded
         if image_pipe.image_encoder is not None:
             image_pipe.image_encoder.to(device).requires_grad_(False).eval()
         pipe = text_pipeline(image_pipe)
     pipe.set_progress_bar_config(disable=True)
-    pipe.text_encoder.to(device).requires_grad_(False).eval()
+    pipe.text_encoder.requires_grad_(False).eval()
+    if not cfg.text_encoder_offload:
+        pipe.text_encoder.to(device)
     pipe.vae.to(device).requires_grad_(False).eval()
-    experts = [pipe.transformer] + ([pipe.transformer_2] if pipe.transformer_2 is not None else [])
-    for t in experts:
-        t.to(device)
+    if cfg.vae_tiling:  # diffusers' tiles: 256 px, stride 192 (blended overlaps)
+        pipe.vae.enable_tiling()
+    transformers = [pipe.transformer] + ([pipe.transformer_2] if pipe.transformer_2 is not None else [])
+    if experts == "load" and cfg.init == "random":
+        for t, sub in zip(transformers, subs):  # whole experts with the weights every layout gets
+            materialize(t, device, RandomInit(seed=seed, salt=sub))
+    elif experts == "load":
+        for t in transformers:
+            t.to(device)
     return WanModel(
         path=path,
-        transformers=experts,
-        boundary_ratio=pipe.config.boundary_ratio if len(experts) == 2 else None,
+        transformers=transformers,
+        boundary_ratio=pipe.config.boundary_ratio if len(transformers) == 2 else None,
         expand_timesteps=bool(getattr(pipe.config, "expand_timesteps", False)),
         pipeline=pipe,
         condition_mode=mode,
         image_pipeline=image_pipe,
+        text_encoder_offload=cfg.text_encoder_offload,
     )
+
+
+def random_components(path: Path, info: dict, dtypes: dict) -> dict:
+    """Text encoder, VAE and image encoder of the folder built from their config.json with random
+    weights (from torch's global RNG: deterministic given the run seed); no weight file is read."""
+    import diffusers
+    import transformers
+
+    out = {}
+    for name in ("text_encoder", "vae", "image_encoder"):
+        entry = info.get(name) or [None, None]
+        if entry[0] is None:
+            continue
+        library, class_name = entry
+        dtype = dtypes.get(name, torch.float32)
+        if library == "transformers":
+            config = transformers.AutoConfig.from_pretrained(path / name, local_files_only=True)
+            module = getattr(transformers, class_name)._from_config(config, torch_dtype=dtype)
+        elif library == "diffusers":
+            cls = getattr(diffusers, class_name)
+            module = cls.from_config(cls.load_config(path / name)).to(dtype)
+        else:
+            raise ValueError(f"{path}/model_index.json: cannot build {name} of library {library} at random")
+        out[name] = module
+    return out
 
 
 def calibrate_block_memory(
@@ -204,7 +275,13 @@ def calibrate_block_memory(
 
     cfg = transformer.config
     dim = cfg.num_attention_heads * cfg.attention_head_dim
-    block = copy.deepcopy(transformer.blocks[0]).to(device=device, dtype=dtype).train()
+    block = copy.deepcopy(transformer.blocks[0])
+    if any(p.is_meta for p in block.parameters()):  # a skeleton (sharded loading): any values will do
+        block.to_empty(device=device)
+        with torch.no_grad():
+            for p in block.parameters():
+                p.fill_(0.01)
+    block = block.to(device=device, dtype=dtype).train()
 
     def make_inputs():
         hidden = torch.randn(batch, tokens, dim, device=device, dtype=dtype, requires_grad=True)

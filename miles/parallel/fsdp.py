@@ -1,4 +1,10 @@
-"""FSDP2 wrapping of a Wan transformer over the flattened dp x sp mesh.
+"""FSDP2 wrapping of a Wan transformer over the flattened dp x sp mesh (or HSDP's 2-D mesh).
+
+HSDP (``parallel.replicate_size`` R > 1): ``mesh`` is the 2-D ``("replicate", "shard")`` mesh of
+:func:`miles.parallel.topology.build_parallel_mesh`, and ``fully_shard`` on a 2-D mesh shards over
+the inner axis and replicates over the outer one. Gradients are reduce-scattered (mean) over the
+shard group and all-reduced (mean) over the replicas: a mean over all W ranks, as plain FSDP's,
+so the identity below holds unchanged (tests/distributed/test_hsdp.py checks it).
 
 Order (in place, after SP is installed): activation checkpointing per block → ``torch.compile`` per
 block (optional) → ``fully_shard`` per block → ``fully_shard`` on the root. FSDP keeps its
@@ -42,7 +48,8 @@ def apply_fsdp(
     checkpoint_modes: Sequence[str] | None = None,
     compile_blocks: bool = False,
 ) -> nn.Module:
-    """Shard ``model`` (a WanTransformer3DModel, possibly SP-installed) in place over ``mesh``.
+    """Shard ``model`` (a WanTransformer3DModel, possibly SP-installed) in place over ``mesh``
+    (1-D: FSDP; 2-D ``(replicate, shard)``: HSDP).
 
     ``checkpoint_modes``: one activation-checkpointing mode per block (``none``, ``selective``,
     ``attention``, ``full``; see :mod:`miles.parallel.checkpointing`), applied before sharding.

@@ -21,6 +21,11 @@ recompute equals the rollout's log-prob bit for bit (fp32, CPU).
 - Wan2.2 experts: ``transformers[0]`` (``transformer``, high noise) runs while
   t >= boundary_ratio·1000, ``transformers[1]`` (``transformer_2``) below — WanPipeline's rule.
 
+Sampling can run in pieces: ``begin_sampling`` → ``SamplingRun.run_steps(transformers, i, j)``
+→ ``SamplingRun.finish()`` is bitwise ``sample_with_logprob``; ``expert_phases`` gives each
+expert's steps, so a trainer can run every micro-batch's high-noise steps with only that expert
+gathered, then the low-noise ones (docs/rollout_memory.md).
+
 Image-to-video (``condition``, ``miles.rollout.condition``): the condition builds the model
 input (channel concatenation, or the clean first frame with per-token timestep 0) and carries
 the image embeddings; it is the same at every step. With a first-frame condition the sampler's
@@ -33,6 +38,7 @@ must produce identical samples (sequence-parallel peers) seed their generators i
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
@@ -155,7 +161,7 @@ def predict_velocity(
     batch = latents.shape[0]
     dtype = compute_dtype(model)
     x = (latents if condition is None else condition.model_input(latents)).to(dtype)
-    context = prompt_embeds.to(dtype)
+    context = prompt_embeds.to(latents.device, dtype)  # cached embeddings may live on the CPU
     image = None if condition is None or condition.image_embeds is None else condition.image_embeds.to(dtype)
     if use_cfg:
         if negative_embeds.shape[0] == 1:
@@ -166,7 +172,7 @@ def predict_velocity(
                 f"{tuple(prompt_embeds.shape)} (pad both to the same text length) for batched CFG"
             )
         x = torch.cat([x, x])  # (2B, C, F, H, W): [cond; uncond]
-        context = torch.cat([context, negative_embeds.to(dtype)])
+        context = torch.cat([context, negative_embeds.to(latents.device, dtype)])
         image = None if image is None else torch.cat([image, image])
     timestep = t.to(latents.device, torch.float32).expand(x.shape[0])
     if condition is not None:
@@ -261,9 +267,31 @@ def initial_noise(
     return noise.repeat_interleave(group_size, dim=0).to(device)
 
 
+def expert_phases(
+    num_steps: int, shift: float, boundary_ratio: float | None, num_experts: int
+) -> list[tuple[int, int, int]]:
+    """``(expert, start, stop)`` for each expert's run of denoising steps, in order, empty runs left
+    out: a rollout that gathers one expert at a time runs every batch's ``start..stop - 1``."""
+    switch = expert_switch_step(num_steps, shift, boundary_ratio, num_experts)
+    return [(e, a, b) for e, (a, b) in enumerate(((0, switch), (switch, num_steps))[:num_experts]) if a < b]
+
+
 @torch.no_grad()
 def sample_with_logprob(
     transformers: Sequence[nn.Module],
+    prompt_embeds: Tensor,
+    negative_embeds: Tensor | None,
+    latent_shape: Sequence[int],
+    **options,
+) -> Rollout:
+    """Denoise a batch from noise to σ = 0, recording the SDE steps: ``begin_sampling`` (its
+    arguments), every step, ``finish``. See ``SamplingRun`` to run the steps expert by expert."""
+    run = begin_sampling(prompt_embeds, negative_embeds, latent_shape, **options)
+    run.run_steps(transformers, 0, run.num_steps)
+    return run.finish()
+
+
+def begin_sampling(
     prompt_embeds: Tensor,
     negative_embeds: Tensor | None,
     latent_shape: Sequence[int],
@@ -285,12 +313,13 @@ def sample_with_logprob(
     sde_type: str = "sde",
     record_means: bool = False,
     condition: ImageCondition | None = None,
-) -> Rollout:
-    """Denoise a batch from noise to σ = 0, recording the SDE steps.
+    device: torch.device | str | None = None,
+) -> SamplingRun:
+    """The state of a batch about to be denoised (initial noise drawn, SDE steps chosen).
 
     Args:
-        transformers: [transformer] or [transformer, transformer_2] (Wan2.2 high/low noise).
-        prompt_embeds: (B, L, D) text embeddings, one row per sample (groups contiguous).
+        prompt_embeds: (B, L, D) text embeddings, one row per sample (groups contiguous); they may
+            live on the CPU (``device`` then says where to sample): each forward moves them.
         negative_embeds: (B, L, D) or (1, L, D) for CFG, or None for no CFG.
         latent_shape: (C, F, H, W) of one sample's latent.
         noise_level: the SDE noise level a; 0 samples with the ODE only (K = 0, e.g. evaluation).
@@ -306,14 +335,12 @@ def sample_with_logprob(
         record_means: also keep each SDE step's mean (``Rollout.means``, for GRPO-Guard's ratio).
         condition: the image condition (image-to-video), one row per sample. A first-frame
             condition keeps the first latent frame clean: the steps and log-probs cover the rest.
+        device: where the latents live (default: the prompt embeddings' device).
     """
-    if not 1 <= len(transformers) <= 2:
-        raise ValueError(f"expected 1 or 2 transformers, got {len(transformers)}")
-    sde_step = _sde_step(sde_type)
+    _sde_step(sde_type)
     batch = prompt_embeds.shape[0]
-    device = prompt_embeds.device
+    device = torch.device(device) if device is not None else prompt_embeds.device
     sigmas = flow_sigmas(num_steps, shift).to(device)
-    timesteps = sigmas * NUM_TRAIN_TIMESTEPS
 
     if sde_steps is not None:
         steps = sorted(int(i) for i in sde_steps)
@@ -332,50 +359,135 @@ def sample_with_logprob(
             batch, latent_shape, generator, group_size if same_noise_per_group else None, device=device
         )
     x = latents.float() if condition is None else condition.clean(latents.float())
-
-    rec_latents, rec_next, rec_logp, rec_mean = [], [], [], []
-    sde_steps = set(steps)
-    for i in range(num_steps):
-        v = predict_velocity(
-            transformers,
-            x,
-            timesteps[i],
-            prompt_embeds,
-            negative_embeds,
-            guidance_scales,
-            boundary_ratio,
-            expand_timesteps,
-            condition,
-        )
-        if i in sde_steps:
-            step = sde_step(
-                *generated(condition, v, x), sigmas[i], sigmas[i + 1], noise_level, generator=generator
-            )
-            rec_latents.append(x)
-            x = step.prev_sample if condition is None else condition.full(step.prev_sample)
-            rec_next.append(x)
-            rec_logp.append(step.log_prob)
-            if record_means:
-                rec_mean.append(step.mean)
-        else:
-            x = ode_step(v, x, sigmas[i], sigmas[i + 1])
-            x = x if condition is None else condition.clean(x)
-
-    k_idx = torch.tensor(steps, dtype=torch.long, device=device)
-    empty = x.new_empty(batch, 0, *x.shape[1:])
-    return Rollout(
-        latents=torch.stack(rec_latents, dim=1) if steps else empty,
-        next_latents=torch.stack(rec_next, dim=1) if steps else empty.clone(),
-        log_probs=torch.stack(rec_logp, dim=1) if steps else x.new_empty(batch, 0),
-        timesteps=timesteps[k_idx],
-        sigmas=sigmas[k_idx],
-        sigma_next=sigmas[k_idx + 1],
-        step_indices=steps,
-        final_latents=x,
-        means=(torch.stack(rec_mean, dim=1) if steps else generated(condition, empty)[0].clone())
-        if record_means
-        else None,
+    return SamplingRun(
+        prompt_embeds=prompt_embeds,
+        negative_embeds=negative_embeds,
+        sigmas=sigmas,
+        timesteps=sigmas * NUM_TRAIN_TIMESTEPS,
+        steps=steps,
+        x=x,
+        guidance_scales=guidance_scales,
+        boundary_ratio=boundary_ratio,
+        noise_level=noise_level,
+        generator=generator,
+        expand_timesteps=expand_timesteps,
+        sde_type=sde_type,
+        record_means=record_means,
+        condition=condition,
     )
+
+
+@dataclass
+class SamplingRun:
+    """One batch part-way through denoising: ``run_steps(transformers, i, j)`` takes steps i..j-1,
+    ``finish()`` returns the ``Rollout`` once every step has run.
+
+    Running the steps in pieces is bitwise the same as running them at once: the state (latent,
+    records) carries over, and each sample's SDE noise comes from its own generator(s) in step
+    order. So a trainer may run all micro-batches' high-noise steps while only the high-noise
+    expert is gathered, then all their low-noise steps (``expert_switch_step``).
+    """
+
+    prompt_embeds: Tensor
+    negative_embeds: Tensor | None
+    sigmas: Tensor
+    timesteps: Tensor
+    steps: list[int]
+    x: Tensor
+    guidance_scales: float | Sequence[float]
+    boundary_ratio: float | None
+    noise_level: float
+    generator: torch.Generator | Sequence[torch.Generator]
+    expand_timesteps: bool
+    sde_type: str
+    record_means: bool
+    condition: ImageCondition | None
+    next_step: int = 0
+    records: dict = dataclasses.field(
+        default_factory=lambda: {"latents": [], "next": [], "log_probs": [], "means": []}
+    )
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.sigmas) - 1
+
+    def run_steps(self, transformers: Sequence[nn.Module], start: int, stop: int) -> None:
+        """Denoising steps ``start``..``stop - 1``; ``start`` must be the next step not yet taken."""
+        if not 1 <= len(transformers) <= 2:
+            raise ValueError(f"expected 1 or 2 transformers, got {len(transformers)}")
+        if start != self.next_step or not start <= stop <= self.num_steps:
+            raise ValueError(
+                f"run_steps({start}, {stop}): the next step is {self.next_step} of {self.num_steps}"
+            )
+        sde_step, sde_steps, rec = _sde_step(self.sde_type), set(self.steps), self.records
+        condition, sigmas, x = self.condition, self.sigmas, self.x
+        device = x.device
+        pos = self.prompt_embeds.to(device)  # a no-op when they are there already
+        neg = None if self.negative_embeds is None else self.negative_embeds.to(device)
+        for i in range(start, stop):
+            v = predict_velocity(
+                transformers,
+                x,
+                self.timesteps[i],
+                pos,
+                neg,
+                self.guidance_scales,
+                self.boundary_ratio,
+                self.expand_timesteps,
+                condition,
+            )
+            if i in sde_steps:
+                step = sde_step(
+                    *generated(condition, v, x),
+                    sigmas[i],
+                    sigmas[i + 1],
+                    self.noise_level,
+                    generator=self.generator,
+                )
+                rec["latents"].append(x)
+                x = step.prev_sample if condition is None else condition.full(step.prev_sample)
+                rec["next"].append(x)
+                rec["log_probs"].append(step.log_prob)
+                if self.record_means:
+                    rec["means"].append(step.mean)
+            else:
+                x = ode_step(v, x, sigmas[i], sigmas[i + 1])
+                x = x if condition is None else condition.clean(x)
+        self.x, self.next_step = x, stop
+
+    def finish(self) -> Rollout:
+        """The ``Rollout`` of the finished batch."""
+        if self.next_step != self.num_steps:
+            raise ValueError(f"finish() after step {self.next_step} of {self.num_steps}: run the rest first")
+        x, steps, rec, sigmas = self.x, self.steps, self.records, self.sigmas
+        batch = x.shape[0]
+        k_idx = torch.tensor(steps, dtype=torch.long, device=x.device)
+        empty = x.new_empty(batch, 0, *x.shape[1:])
+        means = None
+        if self.record_means:
+            means = torch.stack(rec["means"], dim=1) if steps else generated(self.condition, empty)[0].clone()
+        return Rollout(
+            latents=torch.stack(rec["latents"], dim=1) if steps else empty,
+            next_latents=torch.stack(rec["next"], dim=1) if steps else empty.clone(),
+            log_probs=torch.stack(rec["log_probs"], dim=1) if steps else x.new_empty(batch, 0),
+            timesteps=self.timesteps[k_idx],
+            sigmas=sigmas[k_idx],
+            sigma_next=sigmas[k_idx + 1],
+            step_indices=steps,
+            final_latents=x,
+            means=means,
+        )
+
+
+def expert_switch_step(num_steps: int, shift: float, boundary_ratio: float | None, num_experts: int) -> int:
+    """The first denoising step the low-noise expert takes (``num_steps`` when it takes none):
+    steps before it route to ``transformers[0]``, steps from it on to ``transformers[1]``
+    (timesteps fall monotonically). Computed from the sampler's own fp32 schedule and routing rule."""
+    timesteps = flow_sigmas(num_steps, shift) * NUM_TRAIN_TIMESTEPS
+    for i in range(num_steps):
+        if expert_index(timesteps[i], boundary_ratio, num_experts) == 1:
+            return i
+    return num_steps
 
 
 def compute_log_prob(

@@ -5,7 +5,7 @@ Layout under the run directory::
     checkpoints/
       step_000004/            a complete checkpoint (it has a COMPLETE marker)
         .metadata, __*_*.distcp   DCP shards: every rank writes its own part
-        trainer.json           counters, data position, config (rank 0)
+        trainer.json           counters, data position, config, model fingerprint (rank 0)
         COMPLETE
       step_000006.partial/    being written, or left by a crash: never loaded, removed on save
 
@@ -14,6 +14,14 @@ rank has finished writing, so a crash mid-save leaves no directory that looks co
 DCP stores each tensor with its global shape, so a checkpoint loads into any dp x sp layout and
 any world size (FSDP re-shards on load). The rollout noise and SDE windows are derived from the
 seed and the rollout index, so counters + data position are the whole RNG state.
+
+Checkpoints are lean: they hold the trainable parameters (``model.*``: everything for a full
+fine-tune, only the adapters for LoRA), the optimizer state (``optim.*``), the EMA and the old
+policy where present (``ema.*``, ``old_policy.*``: trainable parameters only) and ``trainer.json``.
+The frozen rest (LoRA's base, the text encoder, the VAE) is re-read from ``model.path``, whose
+fingerprint is saved in ``trainer.json`` and checked at resume (miles/train/resume.py). A load asks
+only for what the model trains, so an older checkpoint that also holds the frozen weights still
+loads (they are left unread).
 """
 
 from __future__ import annotations
@@ -29,9 +37,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 _NAME = re.compile(r"^step_(\d{6,})$")
+
+# Trainable parameters only; strict=False on load because the frozen ones are absent by design
+# (DCP itself raises for a trainable parameter the checkpoint lacks).
+STATE_OPTIONS = StateDictOptions(ignore_frozen_params=True, strict=False)
 
 
 def checkpoint_dir(run_dir: Path) -> Path:
@@ -53,8 +65,9 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 
 def _model_state(models: nn.Module, optimizer: torch.optim.Optimizer, **extras) -> dict:
-    """Weights and optimizer state, plus ``extras`` (name -> object with ``state_dict``; None: left out)."""
-    model_sd, optim_sd = get_state_dict(models, optimizer)
+    """Trainable weights and optimizer state, plus ``extras`` (name -> object with ``state_dict``;
+    None: left out). The model's entries are its own (sharded) parameters: nothing is copied."""
+    model_sd, optim_sd = get_state_dict(models, optimizer, options=STATE_OPTIONS)
     state = {"model": model_sd, "optim": optim_sd}
     state.update({name: obj.state_dict() for name, obj in extras.items() if obj is not None})
     return state
@@ -198,9 +211,9 @@ def checkpoint_problem(path: Path) -> str | None:
 def load_checkpoint(
     path: Path, models: nn.Module, optimizer: torch.optim.Optimizer, ema=None, old_policy=None
 ) -> dict:
-    """Collective: load weights and optimizer state into the (already sharded) models, and the EMA
-    and the old policy where given and the checkpoint holds them; returns the trainer state saved
-    with them."""
+    """Collective: load the trainable weights and optimizer state into the (already sharded) models,
+    and the EMA and the old policy where given and the checkpoint holds them; returns the trainer
+    state saved with them. Frozen weights an older checkpoint holds are not read."""
     path = Path(path)
     if not (path / "COMPLETE").is_file():
         raise ValueError(f"{path} is not a complete checkpoint (no COMPLETE marker)")
@@ -209,12 +222,21 @@ def load_checkpoint(
         for name, obj in (("ema", ema), ("old_policy", old_policy))
         if obj is not None and has_state(path, name)
     }
+    # Read before the collective load: once every rank has passed it, rank 0 may save this step
+    # again (removing the folder) while another rank would still be reading.
+    trainer_state = json.loads((path / "trainer.json").read_text())
     state = _model_state(models, optimizer, **extras)
     dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(models, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(
+        models,
+        optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optim"],
+        options=STATE_OPTIONS,
+    )
     for name, obj in extras.items():
         obj.load_state_dict(state[name])
-    return json.loads((path / "trainer.json").read_text())
+    return trainer_state
 
 
 def weights_digest(models: nn.Module) -> str | None:

@@ -18,43 +18,39 @@ counts the prompts longer than ``data.max_sequence_length``. An invalid layout o
 
 World size: ``--world-size`` > ``$WORLD_SIZE`` > 1.
 
-Memory per rank (GiB; an ESTIMATE, not a measurement). With W = world size, b = bytes of
-``model.dtype``, N = parameters of all experts, N_t = trainable parameters (all of N, or the
-LoRA adapters), N_root / N_block = parameters outside the blocks / of the largest block:
+Memory per rank (GiB; an ESTIMATE, not a measurement). Everything but the training activations
+comes from :class:`miles.parallel.memory_budget.ResidentMemory`, the terms the trainer fits its
+budget with (its module docstring gives each formula): fp32 master weights (LoRA: the frozen base
+in the compute dtype), gradients, AdamW state, EMA, old policy, KL reference — each divided by the
+FSDP shard group size S (W, or W / replicate_size under HSDP) — the text encoder (only when not
+offloaded), the VAE, the stored rollout buffers, FSDP's gathered blocks in flight, ONE expert
+gathered during the rollout, the rollout's no-grad working set and the VAE decode workspace.
+With ``activation_checkpointing: budget``, ``model.activation_memory_budget_gib`` is the per-rank
+total: activations get what ``activation_budget`` leaves after those terms and a 5% allocator
+slack, and a budget the rollout alone cannot meet is refused as the trainer would.
 
-- params       N·b / W                      FSDP2 shards every expert over all dp×sp ranks
-- in flight    (N_root + 2·N_block)·b       gathered root + current and prefetched block
-                                            (reshard_after_forward off: the whole expert)
-- grads        N_t·b / W                    sharded like the params (freed between steps)
-- optimizer    2·N_t·b / W                  AdamW exp_avg + exp_avg_sq (``zeros_like(param)``:
-                                            the parameter dtype, fp32 only for fp32 params)
-- reference    N·b / W                      frozen initial weights (KL with a full fine-tune)
-- activations  L·B·T·a(mode)                by ``model.activation_checkpointing``, where a is the
-               bytes one block keeps per token for backward:
-                 none       a = (52 + 9·b)·D + 2·F·b; compiled blocks (``model.compile``):
-                            a = 18·b·D + 2·F·b (measured on an H200 at the 1.3B and 5B shapes:
-                            36.2·D + 4·F bytes a token in bf16, eager 54·D + 4·F)
-                 selective  a = (9.3·D + F)·b     (+ one block's "none" while it recomputes)
-                 full       a = D·b               (the block input; + one block's "none")
-                 budget     per block, from those, as ``plan_modes`` would pick them
-  T = tokens per sp rank, D = hidden size, F = FFN size, L = layers, B = the micro batch
-  (``train.micro_batch_size``) × 2 with CFG (cond and uncond run as one batch). The
-  coefficients were measured once on a Wan block (diffusers 0.42, sp = 1) by summing the
-  storages autograd saves (saved_tensors_hooks) and, for selective, the outputs of the ops
-  ``miles.parallel.checkpointing.SAVE_OPS`` keeps: at 1.3B shapes a bf16 block keeps 70·D +
-  4·F bytes a token (the norms, modulation and RoPE make ~13 fp32 temporaries of width D),
-  an fp32 block 87·D + 8·F. Ulysses/ring add a few D·b more per token; the calibration on
-  CUDA that ``budget`` runs (``measure_block_memory``) is the measurement to trust.
-- rollout copy N·b                          ``parallel.rollout_unsharded``: every expert gathered
-                                            for the whole rollout (replaces "in flight")
-- rollout act. B·T·(16·D + 2·F)·b           one block's no-grad working set (rough)
-- buffers      stored rollout latents (2·samples·K·latent·4 bytes) + prompt embeddings
-- frozen       text encoder and VAE, replicated on every rank, in their configured dtypes
+Training activations, L·B·T·a(mode), where a is the bytes one block keeps per token for backward
+(b = bytes of ``model.dtype``, D = hidden size, F = FFN size, L = layers, T = tokens per sp rank,
+B = the micro batch ``train.micro_batch_size`` x 2 with CFG — cond and uncond run as one batch):
 
-train peak = params + in flight + grads + optimizer + reference + activations + buffers + frozen;
-rollout peak = params + (rollout copy or in flight) + optimizer + reference + rollout act. +
-buffers + frozen. Not counted: the VAE decode and reward models' workspaces, attention kernel
-workspaces, communication buffers, allocator fragmentation — keep 10-20 % headroom.
+  none       a = (52 + 9·b)·D + 2·F·b; compiled blocks (``model.compile``): a = 18·b·D + 2·F·b
+             (measured on an H200 at the 1.3B and 5B shapes: 36.2·D + 4·F bytes a token in bf16,
+             eager 54·D + 4·F)
+  selective  a = (9.3·D + F)·b     (+ one block's "none" while it recomputes)
+  full       a = D·b               (the block input; + one block's "none")
+  budget     per block, from those, as ``plan_modes`` would pick them
+
+The coefficients were measured once on a Wan block (diffusers 0.42, sp = 1) by summing the
+storages autograd saves (saved_tensors_hooks) and, for selective, the outputs of the ops
+``miles.parallel.checkpointing.SAVE_OPS`` keeps: at 1.3B shapes a bf16 block keeps 70·D + 4·F
+bytes a token (the norms, modulation and RoPE make ~13 fp32 temporaries of width D), an fp32 block
+87·D + 8·F. Ulysses/ring add a few D·b more per token; the calibration on CUDA that ``budget``
+runs (``measure_block_memory``) is the measurement to trust.
+
+train peak = weights + optimizer + EMA + old policy + reference + text encoder + VAE + buffers +
+gradients + in flight + activations; rollout peak = the same persistent terms + max(one gathered
+expert + rollout working set, VAE decode). Not counted: reward models, attention kernel
+workspaces and communication buffers — what the 5% slack is for.
 """
 
 from __future__ import annotations
@@ -77,8 +73,24 @@ from miles.data.prompts import (
     load_prompts,
     truncation_warning,
 )
-from miles.models.wan import DTYPES, WanModel, check_wan_folder, read_model_index, resolve_model_path
+from miles.models.wan import (
+    DTYPES,
+    WanModel,
+    check_wan_folder,
+    read_model_index,
+    resolve_model_path,
+)
 from miles.parallel.compile import resolve_compile
+from miles.parallel.memory_budget import (
+    ALLOCATOR_SLACK,
+    MemoryBudgetError,
+    ModelSizes,
+    ResidentMemory,
+    activation_budget,
+    count_sde_steps,
+    rollout_shape,
+)
+from miles.parallel.memory_budget import cfg_factor as guidance_factor
 from miles.parallel.topology import ParallelDims, valid_ulysses_degrees
 from miles.parallel.topology_checks import check_ulysses_within_node, local_world_size_from_env
 from miles.train.resume import resume_checkpoint
@@ -308,9 +320,19 @@ def _block_bytes_per_token(D: int, F: int, b: int, compiled: bool = False) -> di
 
 
 def _activation_bytes(
-    cfg: Config, *, L: int, tokens: int, D: int, F: int, b: int, compiled: bool = False
+    cfg: Config,
+    *,
+    L: int,
+    tokens: int,
+    D: int,
+    F: int,
+    b: int,
+    compiled: bool = False,
+    activation_budget_bytes: float = 0.0,
 ) -> tuple[float, str]:
-    """Training activations of one expert's forward over ``tokens`` (micro batch x CFG x T), and a note."""
+    """Training activations of one expert's forward over ``tokens`` (micro batch x CFG x T), and a note.
+    ``activation_budget_bytes``: with ``budget``, what the per-rank total leaves for activations
+    (:func:`miles.parallel.memory_budget.activation_budget`), as the trainer computes it."""
     mode = cfg.model.activation_checkpointing
     if isinstance(mode, bool):  # older configs: a switch for full checkpointing
         mode = "full" if mode else "none"
@@ -320,11 +342,14 @@ def _activation_bytes(
 
         budget = cfg.model.activation_memory_budget_gib
         try:
-            modes = plan_modes(L, per_block, budget * GIB)
+            modes = plan_modes(L, per_block, activation_budget_bytes)
         except ValueError as e:
             raise DryRunError(f"activation budget (estimated): {e}") from None
         counts = {m: modes.count(m) for m in ("none", "selective", "attention", "full") if modes.count(m)}
-        note = f"budget {budget:g} GiB -> " + ", ".join(f"{n} {m}" for m, n in counts.items())
+        note = (
+            f"budget {budget:g} GiB total ({activation_budget_bytes / GIB:.1f} for activations) -> "
+            + ", ".join(f"{n} {m}" for m, n in counts.items())
+        )
     else:
         modes, note = [mode] * L, mode
     total = sum(per_block[m] for m in modes)
@@ -356,7 +381,6 @@ def dry_run(
     ``device_type`` picks the default attention backend and ring kernel (the memory numbers
     are per GPU). Raises :class:`DryRunError` where the real run would refuse to start.
     """
-    from miles.rollout.sampler import sde_step_indices
     from miles.sequence_parallel import validate_sp_args
     from miles.sequence_parallel.ring import select_ring_kernel
     from miles.train.trainer import default_attention_backend
@@ -383,6 +407,7 @@ def dry_run(
             sequence_parallel_size=p.sequence_parallel_size,
             ulysses_degree=p.ulysses_degree,
             num_attention_heads=heads,
+            replicate_size=p.replicate_size,
         )
     except ValueError as e:
         raise DryRunError(f"invalid parallel layout (world size {world_size}, {world_source}): {e}") from None
@@ -441,21 +466,12 @@ def dry_run(
     # Uneven lengths are padded at the shard boundary: every sp rank holds ceil(S/sp) tokens.
     pads = -tokens % dims.sp
     try:
-        num_sde_steps = len(
-            sde_step_indices(
-                r.num_steps,
-                sde_window_size=r.sde_window_size or None,
-                sde_window_start_range=tuple(r.sde_window_range) if r.sde_window_size else None,
-                timestep_fraction=r.timestep_fraction,
-                generator=torch.Generator().manual_seed(0),
-            )
-        )
+        num_sde_steps = count_sde_steps(cfg)
     except ValueError as e:
         raise DryRunError(f"invalid rollout schedule: {e}") from None
     samples = cfg.data.prompts_per_rank * cfg.data.group_size
     micro = cfg.train.micro_batch_size  # samples per forward, in rollout and training alike
-    scales = [r.guidance_scale, r.guidance_scale if r.guidance_scale_2 is None else r.guidance_scale_2]
-    cfg_factor = 2 if any(s > 1.0 for s in scales[: len(model.transformers)]) else 1
+    cfg_factor = guidance_factor(cfg, len(model.transformers))
     if (tcfg.get("added_kv_proj_dim") or tcfg.get("image_dim")) and cfg.data.max_sequence_length != 512:
         warnings.append(
             f"this is an I2V transformer: Wan splits its context at 512 text tokens, but "
@@ -481,47 +497,41 @@ def dry_run(
     text_encoder_params = _numel(model.pipeline.text_encoder)
     vae_params = _numel(model.pipeline.vae)
 
-    # --- memory per rank (see the module docstring for the formulas)
-    b = DTYPES[cfg.model.dtype].itemsize
-    W = world_size
-    T = -(-tokens // dims.sp)
-    D = tcfg.num_attention_heads * tcfg.attention_head_dim
-    F = tcfg.ffn_dim
-    L = tcfg.num_layers
-    B = micro * cfg_factor
-    if p.reshard_after_forward:
-        in_flight = (max(roots) + 2 * max(blocks)) * b
-    else:
-        in_flight = max(per_expert) * b
+    # --- memory per rank: the trainer's own terms (miles/parallel/memory_budget.py)
+    sizes = ModelSizes(
+        expert_params=tuple(per_expert),
+        lora_params=lora,
+        largest_block=max(blocks),
+        outside_blocks=max(roots),
+        hidden_size=tcfg.num_attention_heads * tcfg.attention_head_dim,
+        ffn_dim=tcfg.ffn_dim,
+        text_dim=tcfg.text_dim,
+        text_encoder_params=text_encoder_params,
+        vae_params=vae_params,
+        vae_base_dim=int(getattr(model.pipeline.vae.config, "base_dim", 96) or 96),
+    )
+    shape = rollout_shape(cfg, model, dims.sp, num_sde_steps)
+    resident = ResidentMemory.of(cfg, sizes, shape, dims.shard, device_type)
+    budget_mode = cfg.model.activation_checkpointing == "budget"
+    budget = cfg.model.activation_memory_budget_gib * GIB
+    try:
+        left = activation_budget(budget, resident) if budget_mode else 0.0
+    except MemoryBudgetError as e:
+        raise DryRunError(f"memory budget (estimated): {e}") from None
     compiled = resolve_compile(cfg.model.compile, torch.device(device_type))
-    activations, ac_note = _activation_bytes(cfg, L=L, tokens=B * T, D=D, F=F, b=b, compiled=compiled)
+    activations, ac_note = _activation_bytes(
+        cfg,
+        L=tcfg.num_layers,
+        tokens=micro * cfg_factor * shape.tokens_per_rank,
+        D=sizes.hidden_size,
+        F=sizes.ffn_dim,
+        b=DTYPES[cfg.model.dtype].itemsize,
+        compiled=compiled,
+        activation_budget_bytes=left,
+    )
     ac_note += ", compiled" if compiled else ", eager"
-    latent_numel = math.prod(latent_shape)
-    buffers = 2 * samples * num_sde_steps * latent_numel * 4 + 2 * samples * cfg.data.max_sequence_length * (
-        tcfg.text_dim * b
-    )
-    frozen = (
-        text_encoder_params * DTYPES[cfg.model.text_encoder_dtype].itemsize
-        + vae_params * DTYPES[cfg.model.vae_dtype].itemsize
-    )
-    mem = {
-        "params": total * b / W,
-        "gathered_in_flight": in_flight,
-        "grads": trainable * b / W,
-        "optimizer": 2 * trainable * b / W,
-        "reference": total * b / W if cfg.grpo.kl_beta > 0 and cfg.model.lora_rank == 0 else 0.0,
-        "activations": activations,
-        "rollout_unsharded": total * b if p.rollout_unsharded else 0.0,
-        "rollout_activations": B * T * (16 * D + 2 * F) * b,
-        "buffers": buffers,
-        "frozen": frozen,
-    }
-    common = mem["params"] + mem["optimizer"] + mem["reference"] + mem["buffers"] + mem["frozen"]
-    mem["train_peak"] = common + in_flight + mem["grads"] + activations
-    mem["rollout_peak"] = (
-        common + (mem["rollout_unsharded"] if p.rollout_unsharded else in_flight) + mem["rollout_activations"]
-    )
-    mem = {k: v / GIB for k, v in mem.items()}
+    mem = _memory_table(resident, activations, ALLOCATOR_SLACK * budget if budget_mode else 0.0)
+    D, F, L, T = sizes.hidden_size, sizes.ffn_dim, tcfg.num_layers, shape.tokens_per_rank
 
     report = {
         "world_size": world_size,
@@ -548,9 +558,12 @@ def dry_run(
             "sp": dims.sp,
             "ulysses": dims.ulysses,
             "ring": dims.ring,
+            "replicate": dims.replicate,
+            "shard": dims.shard,
             "ulysses_auto": p.ulysses_degree == 0,
             "ulysses_note": ulysses_note,
             "node_note": node_note,
+            "shard_groups": dims.shard_groups(),
             "groups": {
                 "dp": dims.dp_groups(),
                 "sp": dims.sp_groups(),
@@ -601,6 +614,33 @@ def dry_run(
     if verbose:
         print(format_report(report), flush=True)
     return report
+
+
+def _memory_table(resident: ResidentMemory, activations: float, slack: float) -> dict[str, float]:
+    """The report's memory rows in GiB: the resident terms, the activations and both phases' peaks
+    (allocations; the allocator slack is reported apart: peak + slack <= budget)."""
+    r = resident
+    mem = {
+        "params": r.weights,
+        "gathered_in_flight": r.gathered_train,
+        "grads": r.grads,
+        "optimizer": r.optimizer,
+        "ema": r.ema,
+        "old_policy": r.old_policy,
+        "reference": r.reference,
+        "activations": activations,
+        "rollout_unsharded": r.gathered_rollout,
+        "rollout_activations": r.rollout_workspace,
+        "decode": r.decode_workspace,
+        "buffers": r.buffers,
+        "text_encoder": r.text_encoder,
+        "vae": r.vae,
+        "frozen": r.text_encoder + r.vae,
+        "allocator_slack": slack,
+        "train_peak": r.train_fixed + activations,
+        "rollout_peak": r.rollout_peak,
+    }
+    return {k: v / GIB for k, v in mem.items()}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -657,7 +697,13 @@ def format_report(rep: dict[str, Any]) -> str:
     ]
     for kind in ("dp", "sp", "ulysses", "ring"):
         lines.append(f"  {kind + ' groups':<15} {_fmt_groups(mesh['groups'][kind])}")
-    lines.append(f"  {'fsdp':<15} all {rep['world_size']} ranks (parameters sharded over dp x sp)")
+    if mesh["replicate"] > 1:
+        lines.append(
+            f"  {'fsdp (HSDP)':<15} shard groups of {mesh['shard']} ranks {_fmt_groups(mesh['shard_groups'])}, "
+            f"replicated {mesh['replicate']} times"
+        )
+    else:
+        lines.append(f"  {'fsdp':<15} all {rep['world_size']} ranks (parameters sharded over dp x sp)")
     lines.append(f"  {'nodes':<15} {mesh['node_note']}")
     lines.append(f"inputs    {rep['inputs']}")
 
@@ -706,24 +752,30 @@ def format_report(rep: dict[str, Any]) -> str:
         f"          largest block {_n(par['largest_block'])}, outside blocks {_n(par['outside_blocks'])}; "
         f"frozen: text encoder {_n(par['text_encoder']) if par['text_encoder'] else 'n/a'}, "
         f"VAE {_n(par['vae'])}",
-        f"memory    per rank, GiB (an estimate; {par['dtype']} parameters; formulas in miles/train/dry_run.py)",
+        f"memory    per rank, GiB (an estimate; {par['dtype']} compute; formulas in miles/parallel/memory_budget.py)",
     ]
     labels = [
-        ("params", f"params (sharded / {rep['world_size']})"),
+        ("params", f"weights (fp32 masters; sharded / {mesh['shard']})"),
         ("gathered_in_flight", "gathered blocks in flight"),
-        ("grads", "gradients"),
-        ("optimizer", "AdamW state"),
+        ("grads", "gradients (fp32)"),
+        ("optimizer", "AdamW state (fp32)"),
+        ("ema", "EMA"),
+        ("old_policy", "old policy copy"),
         ("reference", "KL reference copy"),
         ("activations", f"activations (train, {rep['activation_checkpointing']})"),
-        ("rollout_unsharded", "rollout unsharded copy"),
+        ("rollout_unsharded", "rollout: one expert gathered"),
         ("rollout_activations", "activations (rollout)"),
+        ("decode", "VAE decode workspace"),
         ("buffers", "rollout buffers"),
-        ("frozen", "text encoder + VAE"),
+        ("text_encoder", "text encoder (resident unless offloaded)"),
+        ("vae", "VAE"),
     ]
     for key, label in labels:
-        lines.append(f"  {label:<40} {mem[key]:10.3f}")
-    lines.append(f"  {'= train peak':<40} {mem['train_peak']:10.3f}")
-    lines.append(f"  {'= rollout peak':<40} {mem['rollout_peak']:10.3f}")
+        lines.append(f"  {label:<42} {mem[key]:10.3f}")
+    lines.append(f"  {'= train peak':<42} {mem['train_peak']:10.3f}")
+    lines.append(f"  {'= rollout peak':<42} {mem['rollout_peak']:10.3f}")
+    if mem["allocator_slack"]:
+        lines.append(f"  {'+ allocator slack (5% of the budget)':<42} {mem['allocator_slack']:10.3f}")
     for w in rep["warnings"]:
         lines.append(f"warning   {w}")
     return "\n".join(lines)

@@ -131,9 +131,10 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in row.items() if k not in ("step", "time")}, step=step)
 
-    def log_videos(self, videos: torch.Tensor, prompts: list[str], rewards: list[float], step: int) -> None:
-        """Videos (B, F, 3, H, W) in [0, 1] as mp4 files (GIF without an encoder) under
-        ``samples/step_N`` with ``captions.json`` (prompt and reward of each), and in wandb."""
+    def log_videos(self, videos, prompts: list[str], rewards: list[float], step: int) -> None:
+        """Videos — (B, F, 3, H, W) in [0, 1], or (F, H, W, 3) uint8 arrays (``to_uint8``'s) — as mp4
+        files (GIF without an encoder) under ``samples/step_N`` with ``captions.json`` (prompt and
+        reward of each), and in wandb."""
         if not self.enabled:
             return
         from miles.train.videos import to_uint8, write_video
@@ -142,7 +143,8 @@ class MetricsLogger:
         out_dir.mkdir(parents=True, exist_ok=True)
         entries = []
         for i, (video, prompt, reward) in enumerate(zip(videos, prompts, rewards)):
-            path = write_video(to_uint8(video), out_dir / f"{i:02d}")
+            frames = video if isinstance(video, np.ndarray) else to_uint8(video)
+            path = write_video(frames, out_dir / f"{i:02d}")
             entries.append((path, prompt, reward))
         with open(out_dir / "captions.json", "w") as f:
             json.dump([{"file": p.name, "prompt": pr, "reward": r} for p, pr, r in entries], f, indent=1)

@@ -4,13 +4,15 @@
     sample_with_logprob(old.transformers, ...)       # the old policy samples the rollouts
     old.soft_update(decay)                           # θ_old ← decay·θ_old + (1 − decay)·θ
 
-The trainer deep-copies each expert (with its LoRA adapters) before installing SP and FSDP2 and
-then parallelises the copy exactly like the original, so every parameter of the copy has the
-same placement and local shard as its twin: the soft update is an element-wise lerp of local
-shards, with no communication. Only the trainable parameters move (LoRA: the adapters; the
+The trainer builds each copy as a meta skeleton (with the same LoRA adapters), installs SP and
+FSDP2 exactly as on the original and copies the original's local shards into it
+(``miles.models.sharded_load.copy_local_shards``; no rank ever holds a whole expert), so every
+parameter of the copy has the same placement and local shard as its twin: the soft update is an
+element-wise lerp of local shards, with no communication. Only the trainable parameters move (LoRA: the adapters; the
 frozen base is the same in both). ``state_dict`` gives the old trainable parameters under the
 trained ones' names for torch.distributed.checkpoint. Memory: one more sharded copy of the
-experts (fp32 master weights, 1/world_size of them per rank).
+experts (its trainable parameters in fp32, a LoRA base in the compute dtype; 1/world_size of them
+per rank).
 """
 
 from __future__ import annotations

@@ -8,6 +8,12 @@ run's data depend on (``RESUME_MUST_MATCH``): the model and its experts, the LoR
 prompts, the seed and the algorithm. A difference is refused with a message naming each key, the
 checkpoint's value and the flag that restores it. Every rank runs this (it only reads files), so
 every rank refuses alike.
+
+A lean checkpoint holds only the trained parameters; the frozen rest comes from ``model.path``. The
+fingerprint of the model folder saved with it (:mod:`miles.train.fingerprint`: configs, file names
+and sizes, safetensors headers) must equal this launch's, or the resume is refused before anything
+heavy happens, naming the folder the checkpoint was trained from. Checkpoints saved before
+fingerprints existed are not checked.
 """
 
 from __future__ import annotations
@@ -18,7 +24,9 @@ import sys
 from pathlib import Path
 
 from miles.config import Config
+from miles.models.wan import resolve_model_path
 from miles.train.checkpoint import checkpoint_problem, list_checkpoints
+from miles.train.fingerprint import fingerprint_mismatch, model_fingerprint
 from miles.train.logging import print0
 
 # dotted config key -> what it decides (for the message)
@@ -67,12 +75,33 @@ def config_differences(saved: dict, cfg: Config) -> list[str]:
     return diffs
 
 
-def _saved_config(path: Path) -> dict | None:
-    """The config saved with the checkpoint at ``path`` (None: its trainer.json is unreadable)."""
+def _saved_state(path: Path) -> dict | None:
+    """The trainer state saved with the checkpoint at ``path`` (None: its trainer.json is unreadable)."""
     try:
-        return json.loads((path / "trainer.json").read_text()).get("config", {})
+        return json.loads((path / "trainer.json").read_text())
     except (OSError, ValueError):
         return None
+
+
+def check_base_model(path: Path, saved: dict | None, current: dict | None) -> None:
+    """Refuse (``ValueError``) to resume ``path`` when the model fingerprint saved with it (``saved``)
+    differs from this launch's (``current``); either None (an older checkpoint, no folder): no check."""
+    if not saved or not current:
+        return
+    differ = fingerprint_mismatch(saved, current)
+    if differ:
+        raise ValueError(
+            f"cannot resume {path}: the checkpoint was trained from another base model: {', '.join(differ)} "
+            f"of {current['path']} differ from the folder it was saved with ({saved.get('path')}). The "
+            f"checkpoint holds only the trained parameters; set model.path to {saved.get('path')} (or an "
+            "unchanged copy of it), or start a new run in its own directory (--run.name NEW_NAME)"
+        )
+
+
+def current_fingerprint(cfg: Config) -> dict | None:
+    """This launch's model folder fingerprint (None: the folder does not exist yet)."""
+    path = resolve_model_path(cfg.model)
+    return model_fingerprint(path) if path.is_dir() else None
 
 
 def check_resume_config(path: Path, saved: dict, cfg: Config) -> None:
@@ -88,12 +117,17 @@ def check_resume_config(path: Path, saved: dict, cfg: Config) -> None:
 
 
 def resume_checkpoint(run_dir: Path, cfg: Config) -> Path | None:
-    """The checkpoint to resume from (None: none saved yet): the newest whole one. Its config (and
-    that of any newer, corrupt one) is checked first: a mismatch is refused, whole or not."""
+    """The checkpoint to resume from (None: none saved yet): the newest whole one. Its config and model
+    fingerprint (and those of any newer, corrupt one) are checked first: a mismatch is refused, whole
+    or not."""
     bad = []
+    fingerprint: dict | None = None
     for path in reversed(list_checkpoints(run_dir)):
-        if (saved := _saved_config(path)) is not None:
-            check_resume_config(path, saved, cfg)
+        if (saved := _saved_state(path)) is not None:
+            check_resume_config(path, saved.get("config", {}), cfg)
+            if saved.get("model_fingerprint"):
+                fingerprint = fingerprint or current_fingerprint(cfg)
+                check_base_model(path, saved["model_fingerprint"], fingerprint)
         problem = checkpoint_problem(path)
         if problem is None:
             return path

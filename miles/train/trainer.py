@@ -12,7 +12,6 @@ gradient of the clipped-ratio loss over those steps (Flow-GRPO).
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import math
 import os
@@ -39,6 +38,15 @@ from miles.eval import evaluate, summarize, write_eval
 from miles.eval.evaluate import eval_settings, grid_caption
 from miles.grpo.advantages import group_advantages
 from miles.models.i2v import run_condition_mode
+from miles.models.sharded_load import (
+    RandomInit,
+    WeightFiles,
+    add_lora,
+    build_skeleton,
+    cast_frozen,
+    copy_local_shards,
+    materialize,
+)
 from miles.models.wan import (
     DTYPES,
     WanModel,
@@ -48,15 +56,24 @@ from miles.models.wan import (
     resolve_model_path,
     transformer_config,
 )
-from miles.parallel.checkpointing import checkpoint_modes, fixed_training_bytes
+from miles.parallel.checkpointing import checkpoint_modes
 from miles.parallel.compile import resolve_compile
 from miles.parallel.fsdp import apply_fsdp, unsharded_for_rollout
+from miles.parallel.memory_budget import (
+    ALLOCATOR_SLACK,
+    ResidentMemory,
+    activation_budget,
+    count_sde_steps,
+    model_sizes,
+    rollout_shape,
+)
 from miles.parallel.topology import ParallelDims, build_parallel_mesh, resolve_ulysses_degree
 from miles.parallel.topology_checks import check_ulysses_within_node, local_world_size_from_env
 from miles.rewards.from_config import build_configured_rewards
 from miles.rewards.shaping import EvalRewards, shaped_reward
 from miles.rollout.condition import conditions_of
-from miles.rollout.sampler import sample_with_logprob
+from miles.rollout.prompt_cache import PromptCache
+from miles.rollout.sampler import begin_sampling, expert_phases
 from miles.sequence_parallel import apply_sequence_parallel, validate_sp_args
 from miles.train.checkpoint import (
     checkpoint_error_reason,
@@ -69,12 +86,14 @@ from miles.train.checkpoint import (
 )
 from miles.train.ema import EMA
 from miles.train.export import export_pipeline
+from miles.train.fingerprint import model_fingerprint
 from miles.train.logging import MetricsLogger, configure_library_progress, print0, show_progress
 from miles.train.old_policy import OldPolicy
 from miles.train.overlap import decode_and_score
 from miles.train.resume import resume_checkpoint
 from miles.train.run_dir import check_run_dir, clear_run_dir
 from miles.train.stop import GracefulStop, StopRequested, maybe_inject_signal
+from miles.train.videos import to_uint8
 
 
 def _maybe_inject_fault(rank: int, step: int) -> None:
@@ -148,7 +167,18 @@ class Trainer:
         # the layout first, from the model folder's config JSON, identically on every rank.
         self._check_layout()
         self._load_inputs()
-        self.model: WanModel = load_wan(cfg.model, self.device)
+        # The transformers come as meta skeletons: _parallelize shards them, then loads each rank's shards.
+        self.model: WanModel = load_wan(cfg.model, self.device, experts="skeleton", seed=cfg.run.seed)
+        self.prompt_cache = PromptCache(
+            self.model.pipeline,
+            negative_prompt=cfg.data.negative_prompt,
+            max_sequence_length=cfg.data.max_sequence_length,
+            device=self.device,
+            offload=cfg.model.text_encoder_offload,
+            batch_size=cfg.train.micro_batch_size,
+        )
+        # Saved with every (lean) checkpoint: a resume re-reads the frozen weights from this folder.
+        self.model_fingerprint = model_fingerprint(self.model.path)
         self.mesh = build_parallel_mesh(self.dims, self.device.type)
         self.sampler = GroupSampler(
             num_prompts=len(self.prompts),
@@ -289,89 +319,128 @@ class Trainer:
             world_size=self.world_size,
             sequence_parallel_size=p.sequence_parallel_size,
             ulysses_degree=ulysses,
+            replicate_size=p.replicate_size,
         )
 
     def _checkpoint_modes(self, transformer: nn.Module) -> list[str]:
         """Per-block activation checkpointing; ``budget`` calibrates one block on CUDA and fits the
-        activations into what the per-rank budget leaves after weights, gradients and optimizer."""
+        activations into what the per-rank total budget leaves after everything resident
+        (:mod:`miles.parallel.memory_budget`), so that the peak stays within the budget."""
         cfg = self.cfg.model
         n = len(transformer.blocks)
         if cfg.activation_checkpointing != "budget":
             return checkpoint_modes(cfg.activation_checkpointing, n)
+        budget = cfg.activation_memory_budget_gib * 2**30
+        left = activation_budget(budget, self.resident)  # refuses a rollout that cannot fit
         if self.device.type != "cuda":
             return checkpoint_modes("selective", n)
-        block_bytes = calibrate_block_memory(
-            transformer,
-            -(-self.num_tokens // self.dims.sp),
-            self.device,
-            batch=2 * self.cfg.train.micro_batch_size,  # CFG doubles the batch
-            dtype=self.compute_dtype or torch.float32,
-            compiled=self.compile_blocks,
-        )
-        experts = self.model.transformers
-        num_params = sum(p.numel() for t in experts for p in t.parameters())
-        trainable = num_params if cfg.lora_rank == 0 else num_params // 100  # adapters: a rough upper bound
-        resident = 4 * num_params  # the unsharded fp32 experts, on the GPU until FSDP shards them
-        other = max(torch.cuda.memory_allocated(self.device) - resident, 0)
-        fixed = fixed_training_bytes(
-            num_params,
-            trainable,
-            self.world_size,
-            sum(p.numel() for p in transformer.blocks[0].parameters()),
-            other,
-        )
-        budget = cfg.activation_memory_budget_gib * 2**30
-        modes = checkpoint_modes("budget", n, budget - fixed, block_bytes)
+        # The calibration's random inputs must not move the RNG the LoRA adapters are drawn from.
+        with torch.random.fork_rng(devices=[self.device]):
+            block_bytes = calibrate_block_memory(
+                transformer,
+                -(-self.num_tokens // self.dims.sp),
+                self.device,
+                batch=2 * self.cfg.train.micro_batch_size,  # CFG doubles the batch
+                dtype=self.compute_dtype or torch.float32,
+                compiled=self.compile_blocks,
+            )
+        modes = checkpoint_modes("budget", n, left, block_bytes)
         print0(
             f"[miles] activation checkpointing for a {cfg.activation_memory_budget_gib} GiB budget "
-            f"({fixed / 2**30:.1f} GiB fixed): "
+            f"({self.resident.train_fixed / 2**30:.1f} GiB resident in training, "
+            f"{self.resident.rollout_peak / 2**30:.1f} GiB rollout peak, {ALLOCATOR_SLACK:.0%} slack): "
             + ", ".join(f"{m} x{modes.count(m)}" for m in dict.fromkeys(modes))
         )
         return modes
+
+    def _resident_memory(self) -> ResidentMemory:
+        """The per-rank resident terms (weights, optimizer, rollout, decode...) of this run, from the
+        loaded modules' parameter counts (LoRA adapters installed, nothing sharded yet)."""
+        pipe = self.model.pipeline
+        sizes = model_sizes(self.model.transformers, pipe.text_encoder, pipe.vae)
+        shape = rollout_shape(self.cfg, self.model, self.dims.sp, count_sde_steps(self.cfg))
+        return ResidentMemory.of(self.cfg, sizes, shape, self.dims.shard, self.device.type)
 
     def _install_sp(self, transformer: nn.Module) -> None:
         plan = self.model.sequence_parallel_plan(transformer) if self.dims.sp > 1 else None
         apply_sequence_parallel(transformer, self.mesh, plan=plan)
 
     def _parallelize(self) -> None:
-        """LoRA, then attention backend → SP install → FSDP2 (per block, then root), per expert;
-        the old policy's and the reference's copies are sharded alike (the same local shards)."""
+        """LoRA, then attention backend → SP install → FSDP2 (per block, then root), per expert, on
+        meta skeletons; then each rank loads only its own shards (:mod:`miles.models.sharded_load`).
+        The old policy's and the reference's copies are skeletons sharded alike, filled from the
+        policy's local shards: no rank ever holds a whole expert."""
         cfg = self.cfg
-        # A full fine-tune with a KL term keeps a frozen copy of the initial weights, sharded alike.
-        self.reference = None
-        if self.algorithm.uses_reference and cfg.model.lora_rank == 0:
-            self.reference = [copy.deepcopy(t).requires_grad_(False).eval() for t in self.model.transformers]
-        old = []  # the old policy's experts (DiffusionNFT), copied with their adapters
         trained = dict(reduce_dtype=torch.float32, reshard_after_forward=cfg.parallel.reshard_after_forward)
+        adapters = []
         for transformer in self.model.transformers:
-            self._make_trainable(transformer)
-            if self.algorithm.uses_old_policy:
-                old.append(copy.deepcopy(transformer))
+            adapters.append(self._make_trainable(transformer))
+        self.resident = self._resident_memory()
+        for transformer in self.model.transformers:
             transformer.train()
             self._shard(transformer, checkpointing=True, **trained)
-        for copy_ in old:
-            self._shard(copy_, **trained)
+        for i, (transformer, sub) in enumerate(zip(self.model.transformers, self._expert_folders())):
+            if cfg.model.init == "random":
+                source = RandomInit(seed=cfg.run.seed, salt=sub)
+            else:
+                source = WeightFiles(self.model.path / sub)
+            materialize(transformer, self.device, source, adapters[i])
+        old = []  # the old policy's experts (DiffusionNFT), with their adapters
+        if self.algorithm.uses_old_policy:
+            old = [self._sharded_copy(i, lora=True, **trained) for i in range(len(self.model.transformers))]
         self.old_policy = OldPolicy(old, self.model.transformers) if old else None
-        for ref in self.reference or []:
-            self._shard(ref)
+        # A full fine-tune with a KL term keeps a frozen copy of the initial weights, sharded alike,
+        # stored in the compute dtype (the dtype FSDP2 computes it in anyway).
+        self.reference = None
+        if self.algorithm.uses_reference and cfg.model.lora_rank == 0:
+            self.reference = [
+                self._sharded_copy(i, lora=False, dtype=self.compute_dtype).requires_grad_(False).eval()
+                for i in range(len(self.model.transformers))
+            ]
 
-    def _make_trainable(self, transformer: nn.Module) -> None:
-        """Full fine-tune: every parameter trains; LoRA: a frozen base with trainable adapters."""
+    def _expert_folders(self) -> list[str]:
+        return ["transformer", "transformer_2"][: len(self.model.transformers)]
+
+    def _sharded_copy(
+        self, i: int, lora: bool, dtype: torch.dtype | None = None, **fsdp_options
+    ) -> nn.Module:
+        """A copy of expert ``i``: a skeleton (with the same adapters when ``lora``), sharded like the
+        expert, filled with its local shards (in ``dtype``, default the expert's own dtypes)."""
+        copy_ = build_skeleton(self.model.path, self._expert_folders()[i])
+        if not lora:
+            copy_.requires_grad_(False)
+        elif self.cfg.model.lora_rank > 0:
+            with torch.random.fork_rng(devices=[]):  # the copy's adapter draw is overwritten anyway
+                self._make_trainable(copy_)
+        if dtype is not None:
+            cast_frozen(copy_, dtype)
+        self._shard(copy_, **fsdp_options)
+        copy_local_shards(copy_, self.model.transformers[i])
+        return copy_
+
+    def _make_trainable(self, transformer: nn.Module) -> dict[str, torch.Tensor]:
+        """Full fine-tune: every parameter trains (fp32 masters); LoRA: a frozen base, stored in the
+        compute dtype, with trainable fp32 adapters. Returns the adapters' initial values (peft's
+        draw, captured on the CPU while ``transformer`` is a meta skeleton)."""
         cfg = self.cfg.model
         if cfg.lora_rank == 0:
             transformer.requires_grad_(True)
-            return
+            return {}
         from peft import LoraConfig
 
         transformer.requires_grad_(False)
-        transformer.add_adapter(
+        adapters = add_lora(
+            transformer,
             LoraConfig(
                 r=cfg.lora_rank,
                 lora_alpha=cfg.lora_alpha,
                 init_lora_weights="gaussian",
                 target_modules=cfg.lora_target_modules,
-            )
+            ),
         )
+        if self.compute_dtype is not None:
+            cast_frozen(transformer, self.compute_dtype)
+        return adapters
 
     def _shard(self, transformer: nn.Module, checkpointing: bool = False, **fsdp_options) -> None:
         """Attention backend → SP install → FSDP2 on one expert (``checkpointing``: with the
@@ -425,36 +494,23 @@ class Trainer:
         )
         sde_gens = [self._generator(3, self.rollout_index, k) for k in sample_ids]
         dtype = DTYPES[cfg.model.dtype]
-        chunks: list[dict] = []
-        experts = self.algorithm.rollout_transformers(self.policy)
-        with (
-            unsharded_for_rollout(
-                experts,
-                enabled=cfg.parallel.rollout_unsharded,
-                reshard_after_forward=cfg.parallel.reshard_after_forward,
-            ),
-            torch.no_grad(),
-        ):
-            for mb, sl in enumerate(self._bar(self._micro_slices(len(prompts)), "rollout micro-batches")):
-                maybe_inject_signal(self.rank, self.rollout_index, mb)
-                if self.stop.requested():  # nothing trained yet: abandon the rollout
-                    raise StopRequested
-                # Text encoding, sampling and decoding all run on the same fixed micro-batches, so
-                # a sample's numbers do not depend on the layout (or on dp), and training's
-                # recompute sees exactly the rollout's batch composition.
-                pos, neg = self.model.encode_prompts(
-                    prompts[sl], cfg.data.negative_prompt, cfg.data.max_sequence_length, self.device
+        # Each unique prompt is encoded once (CPU rows; the negative once per run), then the
+        # micro-batches are sampled in fixed slices, so a sample's numbers do not depend on the
+        # layout (or on dp), and training's recompute sees exactly the rollout's batch composition.
+        self.prompt_cache.start_rollout(prompts)
+        neg = self.prompt_cache.negative().to(dtype)
+        runs = []
+        for sl in self._micro_slices(len(prompts)):
+            condition = None
+            if self.model.condition_mode is not None:
+                size = dict(num_frames=r.num_frames, height=r.height, width=r.width)
+                condition = conditions_of(
+                    self.model, images[sl], **size, device=self.device, cache=image_cache
                 )
-                condition = None
-                if self.model.condition_mode is not None:
-                    size = dict(num_frames=r.num_frames, height=r.height, width=r.width)
-                    condition = conditions_of(
-                        self.model, images[sl], **size, device=self.device, cache=image_cache
-                    )
-                ro = sample_with_logprob(
-                    experts,
-                    pos.to(dtype),
-                    neg.to(dtype),
+            runs.append(
+                begin_sampling(
+                    self.prompt_cache.embeds(prompts[sl]).to(dtype),
+                    neg,
                     latent_shape,
                     num_steps=r.num_steps,
                     shift=r.shift,
@@ -468,9 +524,20 @@ class Trainer:
                     sde_type=r.sde_type,
                     record_means=self.algorithm.records_means,
                     condition=condition,
+                    device=self.device,
                 )
-                chunk = {"slice": sl, "pos": pos.to(dtype), "neg": neg.to(dtype), "rollout": ro}
-                chunks.append({**chunk, "condition": condition})
+            )
+        self._sample_expert_at_a_time(runs)
+        chunks = [
+            {
+                "slice": sl,
+                "pos": run.prompt_embeds,
+                "neg": neg,
+                "rollout": run.finish(),
+                "condition": run.condition,
+            }
+            for sl, run in zip(self._micro_slices(len(prompts)), runs)
+        ]
         return {
             "prompts": prompts,
             "images": images,  # each sample's first frame (None for text-to-video)
@@ -480,6 +547,29 @@ class Trainer:
             "chunks": chunks,
             "sde_steps": sde_steps,
         }
+
+    @torch.no_grad()
+    def _sample_expert_at_a_time(self, runs: list) -> None:
+        """Every micro-batch's steps of the high-noise expert with only that expert gathered
+        (``parallel.rollout_unsharded``), then it is resharded and the low-noise expert takes every
+        micro-batch's remaining steps: one expert's full weights on the GPU at a time. Bitwise the
+        same as sampling each micro-batch start to finish (``SamplingRun``)."""
+        cfg, r = self.cfg, self.cfg.rollout
+        experts = self.algorithm.rollout_transformers(self.policy)
+        phases = expert_phases(r.num_steps, r.shift, self.model.boundary_ratio, len(experts))
+        for phase, (e, start, stop) in enumerate(phases):
+            with unsharded_for_rollout(
+                [experts[e]],
+                enabled=cfg.parallel.rollout_unsharded,
+                reshard_after_forward=cfg.parallel.reshard_after_forward,
+            ):
+                desc = f"rollout expert {e + 1}/{len(experts)}"
+                for mb, run in enumerate(self._bar(runs, desc)):
+                    if phase == 0:
+                        maybe_inject_signal(self.rank, self.rollout_index, mb)
+                    if self.stop.requested():  # nothing trained yet: abandon the rollout
+                        raise StopRequested
+                    run.run_steps(experts, start, stop)
 
     def _step_major_order(self, n: int) -> list[int]:
         """The order of this rank's samples, so that consecutive optimizer steps take the same
@@ -511,6 +601,11 @@ class Trainer:
         g2 = r.guidance_scale if r.guidance_scale_2 is None else r.guidance_scale_2
         return [r.guidance_scale, g2][: len(self.model.transformers)]
 
+    def _logs_videos(self, rollout_index: int) -> bool:
+        """Whether this rank logs the videos of that rollout (rank 0, every ``run.log_video_every``)."""
+        every = self.cfg.run.log_video_every
+        return bool(every) and self.rank == 0 and rollout_index % every == 0
+
     def score(self, batch: dict) -> dict:
         """Decode and reward this rank's share of the micro-batches, then group-normalise.
 
@@ -526,19 +621,23 @@ class Trainer:
         videos, video_prompts, video_rewards = [], [], []
         # A worker scores micro-batch k while this thread decodes k + 1 (miles.train.overlap).
         mine = [chunk for c, chunk in enumerate(batch["chunks"]) if c % sp == sp_rank]
+        # Each video is dropped once scored; rank 0 keeps uint8 CPU copies when this rollout logs videos.
+        logged = self._logs_videos(self.rollout_index)
         results = decode_and_score(
             mine,
             lambda chunk: self.model.decode(chunk["rollout"].final_latents),
             lambda video, chunk: self.rewards(video, *self._score_inputs(batch, chunk["slice"])),
+            lambda video, chunk: [to_uint8(v) for v in video] if logged else None,
         )
-        for chunk, video, (combined, per_reward) in results:
+        for chunk, kept, (combined, per_reward) in results:
             sl = chunk["slice"]
             local[:, sl] = torch.stack([combined, *(per_reward[k] for k in self.rewards.names)]).to(
                 self.device
             )
-            videos.append(video)
-            video_prompts += batch["prompts"][sl]
-            video_rewards += combined.tolist()
+            if kept is not None:
+                videos += kept
+                video_prompts += batch["prompts"][sl]
+                video_rewards += combined.tolist()
         if sp > 1:
             dist.all_reduce(local, group=self.mesh.sp_group)
         gathered = [torch.empty_like(local) for _ in range(self.mesh.dp_size)]
@@ -564,7 +663,7 @@ class Trainer:
             advantages = -advantages
         mine = slice(self.mesh.dp_rank * n, (self.mesh.dp_rank + 1) * n)
         batch.update(
-            videos=torch.cat(videos) if videos else None,  # the micro-batches this rank decoded
+            videos=videos or None,  # (F, H, W, 3) uint8 of the micro-batches this rank decoded, if logged
             video_prompts=video_prompts,
             video_rewards=video_rewards,
             advantages=advantages[mine].to(self.device),
@@ -659,6 +758,7 @@ class Trainer:
             "dp": self.dims.dp,
             "sp": self.dims.sp,
             "config": dataclasses.asdict(self.cfg),
+            "model_fingerprint": self.model_fingerprint,
         }
 
     def save(self) -> None:
@@ -801,14 +901,16 @@ class Trainer:
             return
         t0 = time.perf_counter()
         settings = eval_settings(cfg, self.model)
-        with (
-            self._averaged(),
-            unsharded_for_rollout(
-                self.model.transformers,
+        self.prompt_cache.prepare(self.eval_prompts)  # one encoder visit for every held-out prompt
+
+        def gather(experts):
+            return unsharded_for_rollout(
+                experts,
                 enabled=cfg.parallel.rollout_unsharded,
                 reshard_after_forward=cfg.parallel.reshard_after_forward,
-            ),
-        ):
+            )
+
+        with self._averaged():
             result = evaluate(
                 self.model,
                 EvalRewards(self.rewards, self.gold_rewards),
@@ -823,6 +925,8 @@ class Trainer:
                 dp_group=self.mesh.dp_group,
                 keep_videos=self.rank == 0 and cfg.eval.log_videos,
                 images=self.eval_images,
+                encode=lambda texts: (self.prompt_cache.embeds(texts), self.prompt_cache.negative()),
+                gather=gather,
             )
         metrics = {
             **summarize(result),
@@ -850,7 +954,6 @@ class Trainer:
         t_reward: float,
         t_train: float,
     ) -> None:
-        cfg = self.cfg
         rewards = batch["reward_all"]
         adv = batch["advantages_all"]
         forwards = self.algorithm.forwards_per_sample(batch)
@@ -892,8 +995,7 @@ class Trainer:
             + "".join(f"{k}={first[k]:.3e} " for k in shown)
             + f"grad_norm={first['grad_norm']:.3e} step_time={t_train / len(step_stats):.2f}s"
         )
-        every = cfg.run.log_video_every
-        if every and self.rank == 0 and self.rollout_index % every == 0 and batch["videos"] is not None:
+        if self._logs_videos(self.rollout_index) and batch["videos"] is not None:
             # rank 0's decoded samples: with sp > 1, every sp-th micro-batch of its dp rank
             self.logger.log_videos(
                 batch["videos"], batch["video_prompts"], batch["video_rewards"], step=self.step

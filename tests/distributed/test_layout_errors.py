@@ -3,8 +3,9 @@
 Two gloo ranks build the real ``Trainer`` on a model folder that holds only config JSONs (the tiny
 two-expert model's, its transformer edited to 3 heads; no weights: loading them would fail with a
 different error). Each rank must raise the same ``ValueError`` for: ``--ulysses-degree 2`` with 3
-heads, a world size (2) that ``--sequence-parallel-size 4`` does not divide, and a ring with an
-attention backend that has no ring kernel. About 10 s on 2 cores.
+heads, a world size (2) that ``--sequence-parallel-size 4`` does not divide, a ring with an
+attention backend that has no ring kernel, and HSDP replicas (``--parallel.replicate-size``) that do
+not divide the world or leave shard groups smaller than an sp group. About 10 s on 2 cores.
 """
 
 from __future__ import annotations
@@ -35,6 +36,12 @@ CASES = [
             "_native_math",
         ],
         "has no ring-attention kernel",
+    ),
+    # HSDP: replicas must divide the world, and each shard group must hold whole sp groups
+    (["--parallel.replicate-size", "3"], "world size 2 is not divisible by --parallel.replicate-size 3"),
+    (
+        ["--sequence-parallel-size", "2", "--parallel.replicate-size", "2"],
+        "leaves shard groups of 1 ranks, which do not hold whole sequence-parallel groups",
     ),
 ]
 

@@ -105,6 +105,11 @@ def _launch(tmp_path: Path, name: str, *flags: str, nproc: int = 4) -> Path:
                 "--train.no-export",
             ],
         ),
+        # HSDP: parameters sharded inside each sp group (2 ranks), replicated over the 2 dp groups
+        (
+            "dp2sp2-hsdp2",
+            ["--sequence-parallel-size", "2", "--parallel.replicate-size", "2", "--train.no-export"],
+        ),
     ],
 )
 def test_training_logs_every_metric(tmp_path, name, flags):

@@ -282,7 +282,8 @@ def test_real_wan21_shape_from_configs_only(tmp_path):
     # auto: the largest divisor of sp 8 that divides 12 heads
     assert mesh["ulysses_auto"] and (mesh["ulysses"], mesh["ring"]) == (4, 2)
     mem = rep["memory_gib"]
-    assert mem["params"] == pytest.approx(rep["params"]["transformer"] * 2 / 8 / 2**30)
+    # fp32 master weights whatever model.dtype (the trainer loads them so; FSDP2 casts for compute)
+    assert mem["params"] == pytest.approx(rep["params"]["transformer"] * 4 / 8 / 2**30)
     assert 0 < mem["activations"] < mem["train_peak"] < 141  # fits an H200 per the estimate
     assert any("will refuse" in w for w in rep["warnings"])  # no text_encoder/tokenizer folders
 
@@ -299,8 +300,8 @@ def test_real_wan21_shape_from_configs_only(tmp_path):
     D, F = 1536, 8960
     assert acts["none"] / eager["activations"] == pytest.approx((36 * D + 4 * F) / (70 * D + 4 * F))
     assert acts["full"] < acts["budget"] <= 20 + acts["none"] / 30  # + one block recomputing
-    # A budget that even full checkpointing cannot meet is refused, as the trainer would.
-    with pytest.raises(DryRunError, match="even with every block fully checkpointed"):
+    # The budget is the per-rank total: one the rollout alone cannot meet is refused, as the trainer would.
+    with pytest.raises(DryRunError, match="memory budget .estimated.: the rollout alone needs"):
         _plan(
             [
                 *argv,
@@ -411,3 +412,21 @@ def test_dry_run_reports_prompts_and_warnings(tmp_path):
         for w in rep["warnings"]
     ), rep["warnings"]
     assert not any("longer than" in w for w in _plan(TINY)["warnings"])
+
+
+def test_hsdp_divides_the_sharded_state_by_the_shard_group():
+    plain = _plan([*TINY, "--world-size", "8", "--sequence-parallel-size", "2"])
+    hsdp = _plan(
+        [*TINY, "--world-size", "8", "--sequence-parallel-size", "2", "--parallel.replicate-size", "2"]
+    )
+    assert (hsdp["mesh"]["replicate"], hsdp["mesh"]["shard"]) == (2, 4)
+    assert hsdp["mesh"]["shard_groups"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert hsdp["mesh"]["dp"] == plain["mesh"]["dp"] == 4  # data parallelism is unchanged
+    n = plain["params"]["transformer"]
+    assert plain["memory_gib"]["params"] == pytest.approx(4 * n / 8 / 2**30)
+    for key in ("params", "grads", "optimizer"):
+        assert hsdp["memory_gib"][key] == pytest.approx(2 * plain["memory_gib"][key]), key
+    for key in ("gathered_in_flight", "rollout_unsharded", "decode", "vae"):
+        assert hsdp["memory_gib"][key] == pytest.approx(plain["memory_gib"][key]), key
+    with pytest.raises(DryRunError, match="do not hold whole sequence-parallel groups"):
+        _plan([*TINY, "--world-size", "8", "--sequence-parallel-size", "4", "--parallel.replicate-size", "4"])

@@ -103,3 +103,43 @@ def test_evaluate_is_a_function_of_prompt_and_seed(model, tmp_path):
     assert summarize(a)["eval/reward/mean"] == pytest.approx(float(a["scores"][0].mean()))
     with pytest.raises(ValueError, match="eval.sampler"):
         evaluate(model, rewards, PROMPTS, 1, EvalSettings(**{**settings.__dict__, "sampler": "x"}), **args)
+
+
+def test_rollout_sampler_gathers_one_expert_at_a_time_bitwise(model):
+    """The trainer's evaluation: embeddings from its prompt cache, experts gathered one at a time
+    over all micro-batches; the reference samples each micro-batch start to finish, encoded alone."""
+    import contextlib
+
+    from miles.eval.evaluate import _sample
+    from miles.rollout.prompt_cache import PromptCache
+
+    rewards = build_rewards({"jpeg_incompressibility": 1.0}, num_frames=2)
+    settings = EvalSettings(**{**_settings(model, 4.0, steps=4).__dict__, "sampler": "rollout"})
+    prompts = PROMPTS + ["a green ball"]  # 3 prompts x 2 seeds: micro-batches of 2 cut across prompts
+    cache = PromptCache(
+        model.pipeline, negative_prompt="", max_sequence_length=16, device="cpu", offload=True
+    )
+    gathered = []
+
+    def gather(experts):
+        gathered.append([model.transformers.index(e) for e in experts])
+        return contextlib.nullcontext()
+
+    args = dict(negative_prompt="", max_sequence_length=16, device=torch.device("cpu"))
+    got = evaluate(
+        model, rewards, prompts, 2, settings, **args,
+        encode=lambda texts: (cache.embeds(texts), cache.negative()), gather=gather,
+    )  # fmt: skip
+    assert gathered == ([[0], [1]] if len(model.transformers) == 2 else [[0]])
+    samples = [(i, s) for i in range(len(prompts)) for s in range(2)]
+    for k in range(0, len(samples), 2):
+        texts = [prompts[i] for i, _ in samples[k : k + 2]]
+        pos, neg = model.encode_prompts(texts, "", 16, "cpu")
+        noise = torch.stack([eval_noise(settings.latent_shape, 0, *s) for s in samples[k : k + 2]])
+        video = model.decode(_sample(model, pos, neg, noise, settings))
+        assert torch.equal(got["scores"][0, k : k + 2].float(), rewards(video, texts)[0])
+        for j, v in zip(range(k, k + 2), video):
+            assert torch.equal(got["videos"][j], v)
+    gathered.clear()
+    evaluate(model, rewards, PROMPTS, 1, _settings(model, 4.0, steps=2), **args, gather=gather)
+    assert gathered == [list(range(len(model.transformers)))]  # the pipeline sampler: all at once

@@ -44,3 +44,30 @@ def test_a_scoring_error_reaches_the_caller():
 
     with pytest.raises(ValueError, match="micro-batch 0"):
         decode_and_score(range(2), lambda k: torch.zeros(1), score)
+
+
+def test_videos_are_dropped_once_scored_and_only_what_keep_returns_survives():
+    import gc
+    import weakref
+
+    n = 5
+    refs: list = []
+    alive_at_decode = []
+
+    def decode(k: int) -> torch.Tensor:
+        gc.collect()
+        alive_at_decode.append(sum(r() is not None for r in refs))
+        video = torch.full((3,), float(k))
+        refs.append(weakref.ref(video))
+        return video
+
+    def keep(video: torch.Tensor, k: int):
+        return (video * 2).to(torch.uint8) if k % 2 == 0 else None  # e.g. rank 0's logged videos
+
+    results = decode_and_score(range(n), decode, lambda video, k: float(video.sum()), keep)
+    gc.collect()
+    assert [r() for r in refs] == [None] * n  # no decoded video outlives its scoring
+    assert max(alive_at_decode) <= 1  # decoding k + 1 waits until k - 1 is scored: <= 2 alive
+    assert [s for _, _, s in results] == [0.0, 3.0, 6.0, 9.0, 12.0]
+    kept = [v for _, v, _ in results]
+    assert [None if v is None else v.tolist() for v in kept] == [[0, 0, 0], None, [4, 4, 4], None, [8, 8, 8]]

@@ -118,3 +118,37 @@ def test_heads_that_sp_does_not_divide():
         resolve_ulysses_degree(4, 4, 6)
     with pytest.raises(ValueError, match=r"Valid degrees: \[1, 2, 4, 8\]"):
         resolve_ulysses_degree(16, 16, 24)
+
+
+def test_hsdp_groups():
+    # 16 ranks on 2 nodes of 8: replicate 2, shard groups of 8 (one node), sp 4 inside them.
+    dims = ParallelDims(world_size=16, sequence_parallel_size=4, ulysses_degree=2, replicate_size=2)
+    assert (dims.replicate, dims.shard, dims.dp_shard, dims.dp) == (2, 8, 2, 4)
+    assert dims.shard_groups() == [list(range(8)), list(range(8, 16))]
+    assert dims.replicate_groups() == [[j, j + 8] for j in range(8)]
+    for rank in range(16):  # every sp group lies inside one shard group
+        (sp_group,) = [g for g in dims.sp_groups() if rank in g]
+        assert set(sp_group) <= set(dims.group_of(dims.shard_groups(), rank))
+    # replicate = world: shard groups of one rank (DDP-like); replicate = 1: one group of all ranks
+    ddp = ParallelDims(world_size=4, replicate_size=4)
+    assert ddp.shard_groups() == [[0], [1], [2], [3]] and ddp.replicate_groups() == [[0, 1, 2, 3]]
+    assert ParallelDims(world_size=4).shard_groups() == [[0, 1, 2, 3]]
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (
+            dict(world_size=8, replicate_size=3),
+            r"not divisible by --parallel.replicate-size 3.*\[1, 2, 4, 8\]",
+        ),
+        (dict(world_size=8, replicate_size=0), "replicate-size must be >= 1"),
+        (
+            dict(world_size=8, sequence_parallel_size=4, replicate_size=4),
+            r"shard groups of 2 ranks.*sequence-parallel groups.*replicate_size among \[1, 2\]",
+        ),
+    ],
+)
+def test_hsdp_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ParallelDims(**kwargs)

@@ -87,3 +87,17 @@ def test_logger_writes_mp4_samples_with_prompts_and_rewards(tmp_path):
         {"file": "01.mp4", "prompt": "b", "reward": -1.25},
     ]
     assert read_mp4(out / "00.mp4").shape == (6, 32, 48, 3)
+
+
+def test_logger_takes_uint8_frames_as_the_trainer_keeps_them(tmp_path):
+    # The trainer keeps rank 0's logged videos as to_uint8 copies on the CPU: the files must be those
+    # the float videos give.
+    videos = torch.from_numpy(smooth_video()).permute(0, 3, 1, 2).float().div(255)[None].repeat(2, 1, 1, 1, 1)
+    for name, given in (("float", videos), ("uint8", [vid.to_uint8(v) for v in videos])):
+        logger = MetricsLogger(tmp_path / name, {}, mode="disabled", project="p", name="n", enabled=True)
+        logger.log_videos(given, ["a", "b"], [0.5, 1.0], step=1)
+        logger.close()
+    for i in ("00", "01"):
+        a = read_mp4(tmp_path / "float" / "samples" / "step_000001" / f"{i}.mp4")
+        b = read_mp4(tmp_path / "uint8" / "samples" / "step_000001" / f"{i}.mp4")
+        assert np.array_equal(a, b)

@@ -1,0 +1,264 @@
+"""The per-rank memory promise (miles/parallel/memory_budget.py) against hand-written formulas.
+
+Every term of :class:`ResidentMemory` is recomputed here from the parameter counts with the
+formulas written out (integers, exact), on the tiny model and on Wan2.2-A14B / Wan2.1-14B shapes
+(meta modules: exact counts, no memory); HSDP divides the sharded terms by the shard group
+(world / replicate_size) and nothing else; a budget the rollout cannot meet is refused with the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from pathlib import Path
+
+import pytest
+import torch
+
+from miles.config import parse_args
+from miles.parallel.memory_budget import (
+    ALLOCATOR_SLACK,
+    GIB,
+    MemoryBudgetError,
+    ModelSizes,
+    ResidentMemory,
+    RolloutShape,
+    activation_budget,
+    model_sizes,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ["--config", str(ROOT / "configs" / "tiny_cpu.yaml")]
+
+# Wan2.2-T2V-A14B (each expert) / Wan2.1-T2V-14B transformer config
+WAN_14B = dict(
+    patch_size=(1, 2, 2),
+    num_attention_heads=40,
+    attention_head_dim=128,
+    in_channels=16,
+    out_channels=16,
+    text_dim=4096,
+    freq_dim=256,
+    ffn_dim=13824,
+    num_layers=40,
+    cross_attn_norm=True,
+    qk_norm="rms_norm_across_heads",
+    rope_max_seq_len=1024,
+)
+
+
+def _cfg(*flags: str):
+    cfg, _ = parse_args([*TINY, *flags])
+    return cfg
+
+
+def _shape(**kw) -> RolloutShape:
+    base = dict(
+        tokens_per_rank=32760 // 8,
+        latent_numel=16 * 21 * 60 * 104,
+        num_frames=81,
+        height=480,
+        width=832,
+        samples_per_rank=4,
+        num_sde_steps=2,
+        micro_batch=1,
+        cfg_factor=2,
+        text_tokens=512,
+    )
+    return RolloutShape(**{**base, **kw})
+
+
+@functools.cache
+def _expert_14b() -> tuple[ModelSizes, int]:
+    """Exact counts of one 14B expert (meta device), and r=1 LoRA adapter parameters on the default
+    targets: r·(in + out) per targeted Linear (peft's count; the tiny test checks it against peft)."""
+    from diffusers import WanTransformer3DModel
+
+    with torch.device("meta"):
+        expert = WanTransformer3DModel(**WAN_14B)
+    targets = _cfg().model.lora_target_modules
+    per_rank = sum(
+        m.in_features + m.out_features
+        for name, m in expert.named_modules()
+        if isinstance(m, torch.nn.Linear) and any(name == t or name.endswith("." + t) for t in targets)
+    )
+    return model_sizes([expert]), per_rank
+
+
+def _a14b_sizes(lora_rank: int = 0) -> ModelSizes:
+    """Two identical 14B experts (Wan2.2-A14B), adapters of ``lora_rank`` on the default targets."""
+    one, per_rank = _expert_14b()
+    return dataclasses.replace(one, expert_params=2 * one.expert_params, lora_params=2 * lora_rank * per_rank)
+
+
+def _hand(cfg, sizes: ModelSizes, shape: RolloutShape, S: int, *, lora: bool, old=False, ref=False) -> dict:
+    """The module docstring's formulas, written out again."""
+    c = 2 if cfg.model.dtype == "bfloat16" else 4
+    v = 2 if cfg.model.vae_dtype == "bfloat16" else 4
+    N, Nt = sum(sizes.expert_params), (sizes.lora_params if lora else sum(sizes.expert_params))
+    weights = (c * N + 4 * Nt) / S if lora else 4 * N / S
+    in_flight = (sizes.outside_blocks + 2 * sizes.largest_block) * c
+    # model.text_encoder_dtype auto: bf16 on CUDA (ResidentMemory.of's default device type)
+    te_all = sizes.text_encoder_params * (4 if cfg.model.text_encoder_dtype == "float32" else 2)
+    te = 0 if cfg.model.text_encoder_offload else te_all
+    h, w, f = shape.height, shape.width, shape.num_frames
+    if cfg.model.vae_tiling:
+        th, tw = min(h, 256), min(w, 256)
+    else:
+        th, tw = h, w
+    return dict(
+        weights=weights,
+        grads=4 * Nt / S,
+        optimizer=8 * Nt / S,
+        ema=4 * Nt / S if cfg.train.ema_decay > 0 else 0,
+        old_policy=weights if old else 0,
+        reference=c * N / S if ref else 0,
+        text_encoder=te,
+        encode_visit=te_all if cfg.model.text_encoder_offload else 0,
+        vae=sizes.vae_params * v,
+        buffers=2 * shape.samples_per_rank * shape.num_sde_steps * shape.latent_numel * 4
+        + 2 * shape.samples_per_rank * shape.text_tokens * sizes.text_dim * c,
+        gathered_train=in_flight,
+        gathered_rollout=max(sizes.expert_params) * c,
+        rollout_workspace=shape.micro_batch
+        * shape.cfg_factor
+        * shape.tokens_per_rank
+        * (16 * sizes.hidden_size + 2 * sizes.ffn_dim)
+        * c,
+        decode_workspace=shape.micro_batch * (6 * f * h * w * 4 + 6 * 4 * sizes.vae_base_dim * th * tw * v),
+    )
+
+
+def _check(resident: ResidentMemory, hand: dict) -> None:
+    got = {k: v * GIB for k, v in resident.as_gib().items()}
+    assert got.keys() == hand.keys()
+    for key, value in hand.items():
+        assert got[key] == pytest.approx(value, rel=1e-12, abs=1e-6), key
+
+
+def test_tiny_terms_match_the_formulas():
+    from diffusers import AutoencoderKLWan, WanTransformer3DModel
+
+    folder = ROOT / ".cache" / "tiny-wan" / "two_expert"
+    experts = [
+        WanTransformer3DModel.from_pretrained(folder / sub) for sub in ("transformer", "transformer_2")
+    ]
+    vae = AutoencoderKLWan.from_pretrained(folder / "vae")
+    sizes = model_sizes(experts, torch.nn.Linear(3, 5), vae)
+    assert sizes.expert_params == tuple(sum(p.numel() for p in e.parameters()) for e in experts)
+    assert (
+        sizes.lora_params == 0
+        and sizes.text_encoder_params == 20
+        and sizes.vae_base_dim == vae.config.base_dim
+    )
+    shape = _shape(tokens_per_rank=16, latent_numel=16 * 2 * 8 * 8, num_frames=5, height=64, width=64)
+    for flags, old, ref in [
+        ([], False, False),
+        (["--grpo.kl-beta", "0.01", "--train.ema-decay", "0.9"], False, True),
+        (["--algorithm.name", "diffusion_nft", "--model.no-text-encoder-offload"], True, False),
+        (["--model.dtype", "bfloat16", "--model.vae-dtype", "bfloat16", "--model.vae-tiling"], False, False),
+    ]:
+        cfg = _cfg(*flags)
+        for S in (1, 4):
+            _check(
+                ResidentMemory.of(cfg, sizes, shape, S),
+                _hand(cfg, sizes, shape, S, lora=False, old=old, ref=ref),
+            )
+
+
+def test_lora_counts_adapters_apart_and_keeps_the_base_in_the_compute_dtype():
+    from diffusers import WanTransformer3DModel
+    from peft import LoraConfig
+
+    folder = ROOT / ".cache" / "tiny-wan" / "two_expert"
+    model = WanTransformer3DModel.from_pretrained(folder / "transformer")
+    base = sum(p.numel() for p in model.parameters())
+    cfg = _cfg("--model.lora-rank", "4", "--model.dtype", "bfloat16")
+    model.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=cfg.model.lora_target_modules))
+    adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    sizes = model_sizes([model])
+    assert sizes.expert_params == (base,) and sizes.lora_params == adapters > 0
+    shape = _shape()
+    _check(ResidentMemory.of(cfg, sizes, shape, 8), _hand(cfg, sizes, shape, 8, lora=True))
+
+
+def test_a14b_lora_world8_real_sizes():
+    """Wan2.2-A14B LoRA (rank 64) at 81x480x832, world 8, sp 8, bf16: the rehearsal's first config."""
+    sizes = _a14b_sizes(lora_rank=64)
+    assert 14.2e9 < sizes.expert_params[0] < 14.4e9 and sizes.expert_params[0] == sizes.expert_params[1]
+    cfg = _cfg(
+        "--model.lora-rank", "64", "--model.dtype", "bfloat16", "--model.text-encoder-dtype", "bfloat16"
+    )
+    shape = _shape()
+    resident = ResidentMemory.of(cfg, sizes, shape, 8)
+    _check(resident, _hand(cfg, sizes, shape, 8, lora=True))
+    mem = resident.as_gib()
+    # the frozen base of both experts in bf16 over 8 ranks; one expert gathered in bf16 for the rollout
+    assert mem["weights"] == pytest.approx((2 * sum(sizes.expert_params) + 4 * sizes.lora_params) / 8 / GIB)
+    assert 26.5 < mem["gathered_rollout"] < 26.8  # 14.3e9 x 2 bytes: one expert, not both
+    assert resident.rollout_peak / GIB < 76  # the issue's target for an 80 GB card (weights part)
+
+
+def test_full_finetune_14b_world16_and_hsdp_divides_by_the_shard_group():
+    sizes = _a14b_sizes()
+    one = dataclasses.replace(sizes, expert_params=sizes.expert_params[:1])  # Wan2.1-14B
+    cfg = _cfg("--model.dtype", "bfloat16", "--grpo.kl-beta", "0.01")
+    shape = _shape(tokens_per_rank=32760 // 4)
+    plain = ResidentMemory.of(cfg, one, shape, 16)
+    _check(plain, _hand(cfg, one, shape, 16, lora=False, ref=True))
+    # HSDP over 2 nodes of 8: shard groups of 8 hold twice the sharded state; the rest is the same
+    hsdp = ResidentMemory.of(cfg, one, shape, 16 // 2)
+    _check(hsdp, _hand(cfg, one, shape, 8, lora=False, ref=True))
+    sharded = ("weights", "grads", "optimizer", "ema", "old_policy", "reference")
+    for key, value in plain.as_gib().items():
+        assert hsdp.as_gib()[key] == pytest.approx(value * (2 if key in sharded else 1)), key
+    assert plain.as_gib()["weights"] == pytest.approx(4 * one.expert_params[0] / 16 / GIB)  # fp32 masters
+
+
+def test_activation_budget_is_what_the_total_leaves():
+    sizes = _a14b_sizes(lora_rank=64)
+    cfg = _cfg("--model.lora-rank", "64", "--model.dtype", "bfloat16")
+    resident = ResidentMemory.of(cfg, sizes, _shape(), 8)
+    total = 76 * GIB
+    left = activation_budget(total, resident)
+    assert left == pytest.approx(total * (1 - ALLOCATOR_SLACK) - resident.train_fixed)
+    # the promise: training's fixed part + activations + slack == the budget, and the rollout fits
+    assert resident.train_fixed + left + ALLOCATOR_SLACK * total == pytest.approx(total)
+    assert resident.rollout_peak <= total * (1 - ALLOCATOR_SLACK)
+
+
+def test_budget_refusals_name_the_fix():
+    sizes = _a14b_sizes(lora_rank=64)
+    cfg = _cfg("--model.lora-rank", "64", "--model.dtype", "bfloat16")
+    resident = ResidentMemory.of(cfg, sizes, _shape(), 8)
+    with pytest.raises(
+        MemoryBudgetError, match=r"the rollout alone needs \d+\.\d GiB per rank .*gathered_rollout"
+    ) as e:
+        activation_budget(20 * GIB, resident)
+    assert "raise model.activation_memory_budget_gib" in str(e.value)
+    # the rollout fits but training's fixed part does not (a large persistent term, resharded in rollout)
+    heavy = ResidentMemory(weights=1 * GIB, grads=30 * GIB, optimizer=1 * GIB, gathered_rollout=5 * GIB)
+    with pytest.raises(MemoryBudgetError, match="nothing is left for activations within 20 GiB"):
+        activation_budget(20 * GIB, heavy)
+    with pytest.raises(MemoryBudgetError, match="must be > 0"):
+        activation_budget(0.0, heavy)
+
+
+def _trainer_refuses_body(rank: int, world_size: int, out_dir: str) -> None:
+    from miles.train.trainer import Trainer
+
+    cfg, _ = parse_args(
+        [*TINY, "--run.output-dir", out_dir, "--run.wandb-mode", "disabled"]
+        + ["--model.activation-checkpointing", "budget", "--model.activation-memory-budget-gib", "0.001"]
+    )
+    with pytest.raises(MemoryBudgetError, match="the rollout alone needs .* but the budget of 0.001 GiB"):
+        Trainer(cfg)
+
+
+@pytest.mark.distributed
+def test_trainer_refuses_a_budget_the_rollout_cannot_meet(tmp_path):
+    """The real Trainer (1 gloo rank, the tiny model) refuses at startup, before any rollout."""
+    from tests.dist_utils import run_distributed
+
+    run_distributed(_trainer_refuses_body, 1, str(tmp_path))
+    assert not list(tmp_path.rglob("metrics.jsonl"))
