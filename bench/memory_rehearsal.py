@@ -163,14 +163,7 @@ def compare(phases: list[dict], memory_gib: dict) -> list[dict]:
 
 def _install_probes(probes) -> None:
     import miles.train.trainer as trainer_mod
-    from bench.real_configs import load_wan_supports_random_init, random_load_wan
 
-    if not load_wan_supports_random_init():
-        # Until issue 16's sharded load (model.init: random in load_wan) is merged: build the
-        # components from their configs here, also the export's fresh pipeline (the old export
-        # reads the folder's weights). After the merge this branch is never taken.
-        trainer_mod.load_wan = random_load_wan
-        trainer_mod.export_pipeline = _random_base_export(trainer_mod.export_pipeline)
     Trainer = trainer_mod.Trainer
     probes.wrap(trainer_mod, "load_wan", "load", missing_ok=True)
     probes.wrap(Trainer, "_parallelize", "shard")
@@ -179,26 +172,6 @@ def _install_probes(probes) -> None:
     probes.wrap(Trainer, "train_on", "train")
     probes.wrap(Trainer, "save", "checkpoint")
     probes.wrap(trainer_mod, "export_pipeline", "export", missing_ok=True)
-
-
-def _random_base_export(export):
-    """``export`` with ``DiffusionPipeline.from_pretrained`` building the base from configs (CPU)."""
-    import functools
-
-    from bench.real_configs import random_pipeline
-
-    @functools.wraps(export)
-    def wrapped(*args, **kwargs):
-        from diffusers import DiffusionPipeline
-
-        saved = DiffusionPipeline.from_pretrained
-        DiffusionPipeline.from_pretrained = lambda path, **kw: random_pipeline(path, "cpu")
-        try:
-            return export(*args, **kwargs)
-        finally:
-            DiffusionPipeline.from_pretrained = saved
-
-    return wrapped
 
 
 def run_case(name: str, work: Path, num_steps: int | None = None, export: bool = True) -> dict:
@@ -247,18 +220,11 @@ def run_case(name: str, work: Path, num_steps: int | None = None, export: bool =
         "lora_rank": cfg.model.lora_rank,
         "kl_beta": cfg.grpo.kl_beta,
         "activation_memory_budget_gib": cfg.model.activation_memory_budget_gib,
-        "random_init_by": "load_wan" if _native_random_init() else "bench/real_configs.random_load_wan",
         "phases": probes.phases,
         "dry_run_memory_gib": estimate["memory_gib"],
         "comparison": compare(probes.phases, estimate["memory_gib"]),
     }
     return result
-
-
-def _native_random_init() -> bool:
-    from bench.real_configs import load_wan_supports_random_init
-
-    return load_wan_supports_random_init()
 
 
 def _fmt(x, digits: int = 2) -> str:

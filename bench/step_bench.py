@@ -206,14 +206,8 @@ def run_one(args, reward: str) -> dict:
     import torch
 
     import miles.train.trainer as trainer_mod
-    from bench.memory_rehearsal import _random_base_export
     from bench.probes import Probes
-    from bench.real_configs import (
-        load_wan_supports_random_init,
-        model_spec,
-        random_load_wan,
-        write_config_folder,
-    )
+    from bench.real_configs import model_spec, write_config_folder
 
     model_path = write_config_folder(args.model, args.out / "models" / args.model)
     clip = (
@@ -222,9 +216,6 @@ def run_one(args, reward: str) -> dict:
         else None
     )
     cfg = build_config(args, reward, model_path, clip)
-    if not load_wan_supports_random_init():  # until model.init random is merged into load_wan
-        trainer_mod.load_wan = random_load_wan
-        trainer_mod.export_pipeline = _random_base_export(trainer_mod.export_pipeline)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     probes = Probes(device)
     Trainer = trainer_mod.Trainer
