@@ -276,6 +276,10 @@ def calibrate_block_memory(
     cfg = transformer.config
     dim = cfg.num_attention_heads * cfg.attention_head_dim
     block = copy.deepcopy(transformer.blocks[0])
+    # With sp > 1, block 0 carries the SP boundary hook that shards the whole sequence on entry;
+    # the calibration feeds the block one rank's shard directly, so the copy drops its hooks.
+    for hooks in (block._forward_pre_hooks, block._forward_pre_hooks_with_kwargs, block._forward_hooks):
+        hooks.clear()
     if any(p.is_meta for p in block.parameters()):  # a skeleton (sharded loading): any values will do
         block.to_empty(device=device)
         with torch.no_grad():
