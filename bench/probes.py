@@ -84,6 +84,13 @@ class Probes:
             if self._stack:
                 self._merge(self._stack[-1]["carried"], peaks)
             self.phases.append(row)
+            # As it goes: a run cut off by a time limit still leaves its finished phases in the log.
+            print(
+                f"[probes] {name}: {row['wall_s']:.1f} s, GPU peak "
+                f"{row.get('gpu_peak_allocated_gib', 0.0):.2f} GiB allocated / "
+                f"{row.get('gpu_peak_reserved_gib', 0.0):.2f} reserved, host RSS peak {row['host_rss_peak_gib']:.2f} GiB",
+                flush=True,
+            )
 
     def wrap(self, obj, attr: str, name: str, missing_ok: bool = False) -> bool:
         """Run ``obj.attr`` inside ``phase(name)`` from now on; False (nothing wrapped) when ``obj``
