@@ -7,7 +7,8 @@ rehearse one rank of a larger job (peak memory, kernels at 1/sp of the sequence)
 What the fake group returns (checked on torch 2.13, ``tests/e2e/test_benchmarks.py``):
 all-gathers fill every chunk with the local input, reduce-scatter returns the local chunk,
 all-to-all returns its input, all-reduce leaves the tensor as it was: all finite and of the
-right shape. Point-to-point receives leave the buffer untouched (uninitialised memory): they are
+right shape. Object collectives (gather/all-gather/scatter of pickled objects, which DCP uses) hand
+every "rank" this rank's object: on CUDA (torch 2.11) the fake gather left the pickles unfilled. Point-to-point receives leave the buffer untouched (uninitialised memory): they are
 zero-filled here. DCP's save-plan coverage check is skipped (every fake rank reports rank 0's
 chunks). Random weights at 30-40 layers, with gathered parameters that are copies of
 the local shard, may overflow to inf/NaN: :func:`tolerate_nonfinite` keeps the trainer's
@@ -56,10 +57,37 @@ def _zero_recv(op):
     return wrapped
 
 
+def _fill_gather(obj, object_gather_list=None, dst=None, group=None, group_dst=None):
+    if object_gather_list is not None:
+        object_gather_list[:] = [obj] * len(object_gather_list)
+
+
+def _first_scatter(
+    scatter_object_output_list, scatter_object_input_list=None, src=0, group=None, group_src=None
+):
+    if scatter_object_input_list:
+        scatter_object_output_list[0] = scatter_object_input_list[0]
+
+
 @contextlib.contextmanager
 def fake_collective_fixes():
     """Zero-fill point-to-point receive buffers (the fake group leaves them uninitialised)."""
-    saved = {name: getattr(dist, name) for name in ("recv", "irecv", "batch_isend_irecv")}
+    saved = {
+        name: getattr(dist, name)
+        for name in (
+            "recv",
+            "irecv",
+            "batch_isend_irecv",
+            "gather_object",
+            "all_gather_object",
+            "scatter_object_list",
+        )
+    }
+    # Object collectives pickle into tensors that the fake group leaves unfilled on CUDA (torch
+    # 2.11: DCP's save-plan gather unpickled zeros): every "rank" gets this rank's object.
+    dist.gather_object = _fill_gather
+    dist.all_gather_object = lambda object_list, obj, group=None: _fill_gather(obj, object_list)
+    dist.scatter_object_list = _first_scatter
     dist.recv = _zero_recv(saved["recv"])
     dist.irecv = _zero_recv(saved["irecv"])
 
