@@ -11,7 +11,8 @@ tokens lie on rank 0. Both experts of the two-expert model are exercised (t = 95
 
 Tolerances as ``test_usp_model.py``: Ulysses output bitwise, ring output max|diff| / max|ref|
 <= 1e-5; weight gradients, averaged over the sp group, within 5e-5 of the stock ones (summation
-order over the split token axis).
+order over the split token axis); the attention key biases, whose exact gradient is 0 (softmax is
+shift-invariant), within 5e-5 of the largest gradient (both runs hold only rounding noise there).
 """
 
 from __future__ import annotations
@@ -97,7 +98,10 @@ def _body(rank, world_size, root):
                     grad /= world_size
                     err = (grad - ref_grads[pname]).abs().max().item()
                     ref_max = ref_grads[pname].abs().max().item()
-                    assert err <= GRAD_TOL * (ref_max + 1e-2 * scale), f"{name}: grad {pname} diff {err:.3g}"
+                    # A key bias shifts every logit of a query alike: softmax ignores it, so its exact
+                    # gradient is 0 and both runs hold rounding noise of the summed terms (scale).
+                    bound = scale if pname.endswith("to_k.bias") else ref_max + 1e-2 * scale
+                    assert err <= GRAD_TOL * bound, f"{name}: grad {pname} diff {err:.3g}"
                 if rank == 0:
                     print(f"[i2v_sp] {name}: velocity max abs diff {diff:.2e}", flush=True)
 
