@@ -44,6 +44,7 @@ def init_fake_world(world_size: int, rank: int = 0, local_world_size: int | None
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT="29599",
     )
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # as the trainer sets it
     if torch.cuda.is_available():
         torch.cuda.set_device(0)
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
