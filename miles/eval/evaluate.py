@@ -123,17 +123,24 @@ def _sample(model, pos, neg, latents, settings: EvalSettings, condition=None) ->
         pos,
         neg,
         settings.latent_shape,
+        latents=latents,
+        condition=condition,
+        **_ode(settings),
+    ).final_latents
+
+
+def _ode(settings: EvalSettings) -> dict:
+    """The sampler's arguments for evaluation: the deterministic ODE, no SDE step recorded."""
+    return dict(
         num_steps=settings.num_steps,
         shift=settings.shift,
         guidance_scales=settings.guidance_scales,
         boundary_ratio=settings.boundary_ratio,
         noise_level=0.0,
         generator=None,
-        latents=latents,
         sde_steps=[],
         expand_timesteps=settings.expand_timesteps,
-        condition=condition,
-    ).final_latents
+    )
 
 
 def evaluate(
@@ -226,17 +233,10 @@ def _sample_all(model, inputs: list[tuple], settings: EvalSettings, gather) -> l
             pos,
             neg,
             settings.latent_shape,
-            num_steps=settings.num_steps,
-            shift=settings.shift,
-            guidance_scales=settings.guidance_scales,
-            boundary_ratio=settings.boundary_ratio,
-            noise_level=0.0,
-            generator=None,
             latents=noise,
-            sde_steps=[],
-            expand_timesteps=settings.expand_timesteps,
             condition=cond,
             device=noise.device,
+            **_ode(settings),
         )
         for *_, pos, neg, noise, cond in inputs
     ]
