@@ -24,7 +24,9 @@ not memory):
 
 Writes ``<case>.json`` and ``<case>.md`` per case and ``rehearsal.md`` (all cases) to ``--out``;
 the config-only model folders and the run directories (checkpoint, export) go to ``--work``
-(default ``OUT/work``). ``--no-export`` skips the export phase.
+(default ``OUT/work``). ``--no-export`` skips the export phase; ``--export-to-null`` runs it whole
+(every gather, cast and host copy, the files opened and written) but sends the transformers'
+safetensors bytes to ``/dev/null`` — an A14B export is 57 GB, near a 64 GiB device disk.
 """
 
 from __future__ import annotations
@@ -174,7 +176,22 @@ def _install_probes(probes) -> None:
     probes.wrap(trainer_mod, "export_pipeline", "export", missing_ok=True)
 
 
-def run_case(name: str, work: Path, num_steps: int | None = None, export: bool = True) -> dict:
+def _export_to_null() -> None:
+    """The export writes each transformer's safetensors bytes to /dev/null (headers and tensors
+    produced and written as ever; the index, adapters and links still go to the run directory)."""
+    import miles.train.export as export_mod
+
+    write = export_mod.write_safetensors
+
+    def to_null(path, entries, tensors, on_error=None):
+        return write(Path(os.devnull), entries, tensors, on_error)
+
+    export_mod.write_safetensors = to_null
+
+
+def run_case(
+    name: str, work: Path, num_steps: int | None = None, export: bool = True, export_to_null: bool = False
+) -> dict:
     """Rehearse one case in this process (which must not have torch.distributed initialised)."""
     import torch
 
@@ -199,6 +216,8 @@ def run_case(name: str, work: Path, num_steps: int | None = None, export: bool =
 
     probes = Probes(device)
     _install_probes(probes)
+    if export_to_null:
+        _export_to_null()
     with fake_collective_fixes(), tolerate_nonfinite(trainer_mod.Trainer):
         with probes.phase("init"):
             trainer = trainer_mod.Trainer(cfg)
@@ -220,6 +239,7 @@ def run_case(name: str, work: Path, num_steps: int | None = None, export: bool =
         "lora_rank": cfg.model.lora_rank,
         "kl_beta": cfg.grpo.kl_beta,
         "activation_memory_budget_gib": cfg.model.activation_memory_budget_gib,
+        "export_to_null": export_to_null,
         "phases": probes.phases,
         "dry_run_memory_gib": estimate["memory_gib"],
         "comparison": compare(probes.phases, estimate["memory_gib"]),
@@ -283,6 +303,9 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=None, help="model folders and run dirs (default: OUT/work)")
     ap.add_argument("--no-export", action="store_true", help="skip the export phase")
     ap.add_argument(
+        "--export-to-null", action="store_true", help="export whole, the transformers' bytes to /dev/null"
+    )
+    ap.add_argument(
         "--num-steps", type=int, default=None, help="rollout denoising steps (default: the recipe's)"
     )
     ap.add_argument(
@@ -299,7 +322,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     work = args.work or args.out / "work"
     if args.case:
-        result = run_case(args.case, work, args.num_steps, not args.no_export)
+        result = run_case(args.case, work, args.num_steps, not args.no_export, args.export_to_null)
         (args.out / f"{args.case}.json").write_text(json.dumps(result, indent=2) + "\n")
         (args.out / f"{args.case}.md").write_text(case_markdown(result))
         print(case_markdown(result), flush=True)
@@ -307,7 +330,7 @@ def main() -> None:
     argv = ["--out", str(args.out), "--work", str(work)]
     argv += (["--num-steps", str(args.num_steps)] if args.num_steps else []) + (
         ["--no-export"] if args.no_export else []
-    )
+    ) + (["--export-to-null"] if args.export_to_null else [])
     results = run_cases_in_subprocesses(args.cases, args.out, argv)
     text = "\n".join(
         case_markdown(r) if "error" not in r else f"### {r['case']}: failed ({r['error']})\n" for r in results

@@ -58,3 +58,30 @@ def test_round_trip_offline(tmp_path, monkeypatch, variant):
     assert torch.equal(y_loaded, y_built) and y_loaded.shape == x.shape
     assert torch.equal(emb_l, emb_b)
     assert torch.equal(v_l, v_b) and v_l.shape == (1, 3, 5, 32, 32)
+
+
+def test_random_text_encoder_is_the_seeded_draw(tmp_path):
+    """``model.init: random`` builds the text encoder without transformers' own init and fills it
+    from RandomInit in row chunks: every parameter equals the whole-tensor draw for its seed."""
+    from miles.config import ModelConfig
+    from miles.models.sharded_load import RandomInit
+    from miles.models.wan import fill_random, load_wan
+
+    path = tiny.tiny_model_path(tmp_path, "single_expert")
+    cfg = ModelConfig(path=str(path), init="random")
+    a = load_wan(cfg, torch.device("cpu"), seed=3).pipeline.text_encoder
+    b = load_wan(cfg, torch.device("cpu"), seed=4).pipeline.text_encoder
+    source = RandomInit(seed=3, salt="text_encoder")
+    for name, p in a.named_parameters():
+        shape = tuple(p.shape)
+        want = source.read(name, (0,) * p.dim(), shape, shape, torch.device("cpu")).to(p.dtype)
+        assert torch.equal(p, want), f"{name} is not the seeded draw"
+    matrices = [n for n, p in a.named_parameters() if p.dim() == 2]
+    assert matrices and all(
+        not torch.equal(a.get_parameter(n), b.get_parameter(n)) for n in matrices
+    ), "another seed gave the same text encoder"
+    # the chunked fill is the one-shot fill
+    fine = load_wan(cfg, torch.device("cpu"), seed=3).pipeline.text_encoder
+    fill_random(fine, source, torch.device("cpu"), chunk_numel=1000)
+    for (name, p), q in zip(a.named_parameters(), fine.parameters()):
+        assert torch.equal(p, q), f"{name} depends on the chunk size"
