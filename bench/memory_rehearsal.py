@@ -328,9 +328,11 @@ def main() -> None:
         print(case_markdown(result), flush=True)
         return
     argv = ["--out", str(args.out), "--work", str(work)]
-    argv += (["--num-steps", str(args.num_steps)] if args.num_steps else []) + (
-        ["--no-export"] if args.no_export else []
-    ) + (["--export-to-null"] if args.export_to_null else [])
+    argv += (
+        (["--num-steps", str(args.num_steps)] if args.num_steps else [])
+        + (["--no-export"] if args.no_export else [])
+        + (["--export-to-null"] if args.export_to_null else [])
+    )
     results = run_cases_in_subprocesses(args.cases, args.out, argv)
     text = "\n".join(
         case_markdown(r) if "error" not in r else f"### {r['case']}: failed ({r['error']})\n" for r in results

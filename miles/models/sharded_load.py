@@ -266,11 +266,12 @@ def copy_local_shards(dst: nn.Module, src: nn.Module) -> None:
     dst.to_empty(device=device)
     for name, b in dst.named_buffers():
         b.copy_(buffers[name])
-    srcs = dict(src.named_parameters())
+    # by unwrapped name: the source's blocks may carry activation-checkpointing wrappers the copy lacks
+    srcs = {clean_name(n): p for n, p in src.named_parameters()}
     for name, p in dst.named_parameters():
-        if name not in srcs or srcs[name].shape != p.shape:
+        s = srcs.get(clean_name(name))
+        if s is None or s.shape != p.shape:
             raise ValueError(f"the copy's parameter {name} {tuple(p.shape)} has no twin in the source")
-        s = srcs[name]
         if hasattr(p, "placements") and (p.placements != s.placements or p.device_mesh != s.device_mesh):
             raise ValueError(f"{name} is sharded unlike its source ({p.placements} vs {s.placements})")
         _local(p).copy_(_local(s.detach()))

@@ -279,7 +279,9 @@ def fill_random(module: nn.Module, source, device: torch.device, chunk_numel: in
         rows = max(1, chunk_numel // max(1, p[0].numel()))
         for lo in range(0, shape[0], rows):
             n = min(rows, shape[0] - lo)
-            p[lo : lo + n].copy_(source.read(name, (lo, *(0,) * (p.dim() - 1)), (n, *shape[1:]), shape, device))
+            p[lo : lo + n].copy_(
+                source.read(name, (lo, *(0,) * (p.dim() - 1)), (n, *shape[1:]), shape, device)
+            )
 
 
 def calibrate_block_memory(

@@ -22,6 +22,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from miles.models.sharded_load import clean_name
+
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
@@ -34,14 +36,16 @@ class OldPolicy:
         self.transformers = list(old)
         self.pairs: dict[str, tuple[nn.Parameter, nn.Parameter]] = {}
         for i, (o, t) in enumerate(zip(old, trained)):
-            olds = dict(o.named_parameters())
+            # matched by unwrapped name: the trained blocks may carry activation-checkpointing wrappers
+            olds = {clean_name(n): p for n, p in o.named_parameters()}
             for name, p in t.named_parameters():
                 if p.requires_grad:
-                    if name not in olds or olds[name].shape != p.shape:
+                    old_p = olds.get(clean_name(name))
+                    if old_p is None or old_p.shape != p.shape:
                         raise ValueError(
                             f"the old policy has no parameter {name} shaped like {tuple(p.shape)}"
                         )
-                    self.pairs[f"{i}.{name}"] = (olds[name], p)
+                    self.pairs[f"{i}.{name}"] = (old_p, p)
         for o in self.transformers:
             o.requires_grad_(False).eval()
 

@@ -195,8 +195,10 @@ def _trainer(out_dir, name, *args):
 def _assert_copy(name, copy_, policy, dtype=None):
     """``copy_`` holds the policy's local shards (cast to ``dtype``), placed alike, and computes
     the same forward."""
-    policies = dict(policy.named_parameters())
-    copies = dict(copy_.named_parameters())
+    from miles.models.sharded_load import clean_name
+
+    policies = {clean_name(k): p for k, p in policy.named_parameters()}
+    copies = {clean_name(k): p for k, p in copy_.named_parameters()}
     assert copies.keys() == policies.keys(), f"{name}: parameter names differ"
     keep = set(copy_._keep_in_fp32_modules or [])
     for key, p in copies.items():
@@ -213,12 +215,18 @@ def _assert_copy(name, copy_, policy, dtype=None):
 
 
 def _copies_body(rank, world_size, out_dir):
-    trainer = _trainer(out_dir, "nft", "--algorithm.name", "diffusion_nft", "--model.lora-rank", "4")
+    # activation checkpointing wraps the policy's blocks, not the copies': names must still pair up
+    ckpt = ("--model.activation-checkpointing", "full")
+    trainer = _trainer(out_dir, "nft", "--algorithm.name", "diffusion_nft", "--model.lora-rank", "4", *ckpt)
     assert trainer.reference is None
+    assert any("_checkpoint_wrapped_module" in k for k, _ in trainer.model.transformers[0].named_parameters())
+    assert len(trainer.old_policy.pairs) == sum(
+        p.requires_grad for t in trainer.model.transformers for p in t.parameters()
+    )
     for i, (old, policy) in enumerate(zip(trainer.old_policy.transformers, trainer.model.transformers)):
         _assert_copy(f"old policy {i}", old, policy)
     trainer.close()
-    trainer = _trainer(out_dir, "kl", "--grpo.kl-beta", "0.01", "--sequence-parallel-size", "2")
+    trainer = _trainer(out_dir, "kl", "--grpo.kl-beta", "0.01", "--sequence-parallel-size", "2", *ckpt)
     assert trainer.old_policy is None and len(trainer.reference) == 2
     for i, (ref, policy) in enumerate(zip(trainer.reference, trainer.model.transformers)):
         _assert_copy(f"reference {i}", ref, policy, dtype=trainer.compute_dtype)

@@ -77,9 +77,9 @@ def test_random_text_encoder_is_the_seeded_draw(tmp_path):
         want = source.read(name, (0,) * p.dim(), shape, shape, torch.device("cpu")).to(p.dtype)
         assert torch.equal(p, want), f"{name} is not the seeded draw"
     matrices = [n for n, p in a.named_parameters() if p.dim() == 2]
-    assert matrices and all(
-        not torch.equal(a.get_parameter(n), b.get_parameter(n)) for n in matrices
-    ), "another seed gave the same text encoder"
+    assert matrices and all(not torch.equal(a.get_parameter(n), b.get_parameter(n)) for n in matrices), (
+        "another seed gave the same text encoder"
+    )
     # the chunked fill is the one-shot fill
     fine = load_wan(cfg, torch.device("cpu"), seed=3).pipeline.text_encoder
     fill_random(fine, source, torch.device("cpu"), chunk_numel=1000)
