@@ -22,6 +22,8 @@ micro batch x 2 with CFG, T = tokens per sp rank, D / F = hidden / FFN size.
                                                    compute dtype (LoRA: the adapters switched off)
     text_encoder     its params x its dtype        only when ``model.text_encoder_offload`` is False
     vae              its params x its dtype
+    rewards          the reward models' parameters and buffers on the device, as loaded (trainer:
+                     ``miles.rewards.base.resident_bytes``; the dry run does not load them: 0)
     buffers          2·samples·K·latent·4 + 2·samples·L_text·text_dim·c   (stored SDE latents, prompts)
     gathered_train   (root + 2 blocks)·c           FSDP's current + prefetched unit (whole expert when
                                                    ``reshard_after_forward`` is off)
@@ -37,14 +39,16 @@ micro batch x 2 with CFG, T = tokens per sp rank, D / F = hidden / FFN size.
     slack            5 % of the budget             allocator fragmentation, kernel workspaces,
                                                    communication buffers
 
-    persistent    = weights + optimizer + ema + old_policy + reference + text_encoder + vae + buffers
+    persistent    = weights + optimizer + ema + old_policy + reference + text_encoder + vae + rewards
+                    + buffers
     train peak    = persistent + grads + gathered_train + activations        (+ slack <= budget)
     rollout peak  = persistent + max(gathered_rollout + rollout_workspace, decode_workspace)
 
 Assumptions about the rest of the trainer (issue 16): sharded loading (no unsharded fp32 copy after
 startup), the rollout gathers one expert at a time, decoded videos leave the GPU as uint8, and the
 text encoder is offloaded to the CPU by default (its visits to the GPU happen while no expert is
-gathered). Not counted: reward models' weights and workspaces.
+gathered). Not counted: the reward models' scoring workspaces (they run while no expert is
+gathered and no activation is alive).
 """
 
 from __future__ import annotations
@@ -120,6 +124,7 @@ class ResidentMemory:
     reference: float = 0.0
     text_encoder: float = 0.0
     vae: float = 0.0
+    rewards: float = 0.0
     buffers: float = 0.0
     gathered_train: float = 0.0
     gathered_rollout: float = 0.0
@@ -138,6 +143,7 @@ class ResidentMemory:
             + self.reference
             + self.text_encoder
             + self.vae
+            + self.rewards
             + self.buffers
         )
 
@@ -158,11 +164,18 @@ class ResidentMemory:
 
     @classmethod
     def of(
-        cls, cfg, sizes: ModelSizes, shape: RolloutShape, shard_size: int, device_type: str = "cuda"
+        cls,
+        cfg,
+        sizes: ModelSizes,
+        shape: RolloutShape,
+        shard_size: int,
+        device_type: str = "cuda",
+        reward_bytes: float = 0.0,
     ) -> ResidentMemory:
         """The terms for config ``cfg`` (a ``miles.config.Config``) with parameters sharded over
         ``shard_size`` ranks (``ParallelDims.shard``: world / replicate_size) on ``device_type``
-        (which resolves ``model.text_encoder_dtype: auto``)."""
+        (which resolves ``model.text_encoder_dtype: auto``); ``reward_bytes``: the loaded reward
+        models' bytes on the device."""
         from miles.algorithms import build_algorithm
         from miles.models.wan import text_encoder_dtype
 
@@ -191,6 +204,7 @@ class ResidentMemory:
             text_encoder=0.0 if m.text_encoder_offload else text_encoder,
             encode_visit=text_encoder if m.text_encoder_offload else 0.0,
             vae=sizes.vae_params * _DTYPE_BYTES[m.vae_dtype],
+            rewards=float(reward_bytes),
             buffers=_buffer_bytes(shape, sizes.text_dim, c),
             gathered_train=in_flight,
             gathered_rollout=max(sizes.expert_params) * c if p.rollout_unsharded else in_flight,

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
+from torch import nn
 
 
 class Reward(abc.ABC):
@@ -26,6 +27,26 @@ class Reward(abc.ABC):
     @abc.abstractmethod
     def __call__(self, videos: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
         """Score ``videos`` (B, F, C, H, W) in [0, 1] against ``prompts`` (B,) -> (B,) float32."""
+
+    def modules(self) -> list[nn.Module]:
+        """The torch modules this reward keeps loaded (its scoring models): by default its
+        ``nn.Module`` attributes. The trainer's memory budget counts their device bytes."""
+        return [v for v in vars(self).values() if isinstance(v, nn.Module)]
+
+
+def resident_bytes(rewards: Sequence[Reward], device: torch.device | str) -> int:
+    """Bytes of the parameters and buffers that ``rewards`` keep on ``device``'s type, each tensor
+    once (rewards may share a model)."""
+    kind = torch.device(device).type
+    seen: set[int] = set()
+    total = 0
+    for reward in rewards:
+        for module in reward.modules():
+            for t in (*module.parameters(), *module.buffers()):
+                if t.device.type == kind and t.data_ptr() not in seen:
+                    seen.add(t.data_ptr())
+                    total += t.numel() * t.element_size()
+    return total
 
 
 def check_videos(videos: torch.Tensor, prompts: Sequence[str]) -> None:

@@ -69,6 +69,7 @@ from miles.parallel.memory_budget import (
 )
 from miles.parallel.topology import ParallelDims, build_parallel_mesh, resolve_ulysses_degree
 from miles.parallel.topology_checks import check_ulysses_within_node, local_world_size_from_env
+from miles.rewards.base import resident_bytes
 from miles.rewards.from_config import build_configured_rewards
 from miles.rewards.shaping import EvalRewards, shaped_reward
 from miles.rollout.condition import conditions_of
@@ -363,7 +364,9 @@ class Trainer:
         pipe = self.model.pipeline
         sizes = model_sizes(self.model.transformers, pipe.text_encoder, pipe.vae)
         shape = rollout_shape(self.cfg, self.model, self.dims.sp, count_sde_steps(self.cfg))
-        return ResidentMemory.of(self.cfg, sizes, shape, self.dims.shard, self.device.type)
+        mixes = [self.rewards] + ([self.gold_rewards] if self.gold_rewards is not None else [])
+        rewards = resident_bytes([r for mix in mixes for r in mix.rewards.values()], self.device)
+        return ResidentMemory.of(self.cfg, sizes, shape, self.dims.shard, self.device.type, rewards)
 
     def _install_sp(self, transformer: nn.Module) -> None:
         plan = self.model.sequence_parallel_plan(transformer) if self.dims.sp > 1 else None

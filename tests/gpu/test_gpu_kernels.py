@@ -45,3 +45,41 @@ def test_ring_kernel_matches_sdpa_bf16(nccl_world, backend):
     assert rel(out.transpose(1, 2), ref) < 8e-3
     for a, r in zip(ins, ref_in):
         assert rel(a.grad.transpose(1, 2), r.grad) < 8e-3
+
+
+@pytest.mark.parametrize("mode", ["none", "selective", "full"])
+def test_block_calibration_predicts_a_chain_of_blocks(mode):
+    """What ``measure_block_memory`` says one block keeps, times the number of blocks, is what a
+    chain of blocks keeps after its forward (each block's output is the next one's saved input)."""
+    import copy
+
+    from diffusers import WanTransformer3DModel
+
+    from miles.parallel.checkpointing import measure_block_memory, wrap_block
+
+    device, dtype, batch, tokens, n = torch.device("cuda"), torch.bfloat16, 2, 4096, 4
+    model = WanTransformer3DModel(
+        num_attention_heads=4, attention_head_dim=128, ffn_dim=1536, num_layers=1, text_dim=512
+    )
+    block = model.blocks[0].to(device=device, dtype=dtype).train()
+    dim, g = 512, torch.Generator(device="cuda").manual_seed(0)
+
+    def make_inputs():
+        def r(*shape, dt=dtype):
+            return torch.randn(*shape, device=device, dtype=dt, generator=g)
+
+        rope = r(1, tokens, 1, 128, dt=torch.float32)
+        hidden = r(batch, tokens, dim).requires_grad_()
+        return hidden, r(batch, 512, dim), r(batch, 6, dim, dt=torch.float32), (rope, rope)
+
+    per_block = measure_block_memory(block, make_inputs, device)[mode]
+    chain = [wrap_block(copy.deepcopy(block), mode) for _ in range(n)]
+    hidden, *rest = make_inputs()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated(device)
+    x = hidden
+    for b in chain:
+        x = b(x, *rest)
+    torch.cuda.synchronize()
+    kept = torch.cuda.memory_allocated(device) - before
+    assert abs(kept - n * per_block) <= 0.1 * n * per_block, (mode, kept, n * per_block)

@@ -91,7 +91,9 @@ def _a14b_sizes(lora_rank: int = 0) -> ModelSizes:
     return dataclasses.replace(one, expert_params=2 * one.expert_params, lora_params=2 * lora_rank * per_rank)
 
 
-def _hand(cfg, sizes: ModelSizes, shape: RolloutShape, S: int, *, lora: bool, old=False, ref=False) -> dict:
+def _hand(
+    cfg, sizes: ModelSizes, shape: RolloutShape, S: int, *, lora: bool, old=False, ref=False, rewards=0
+) -> dict:
     """The module docstring's formulas, written out again."""
     c = 2 if cfg.model.dtype == "bfloat16" else 4
     v = 2 if cfg.model.vae_dtype == "bfloat16" else 4
@@ -116,6 +118,7 @@ def _hand(cfg, sizes: ModelSizes, shape: RolloutShape, S: int, *, lora: bool, ol
         text_encoder=te,
         encode_visit=te_all if cfg.model.text_encoder_offload else 0,
         vae=sizes.vae_params * v,
+        rewards=rewards,
         buffers=2 * shape.samples_per_rank * shape.num_sde_steps * shape.latent_numel * 4
         + 2 * shape.samples_per_rank * shape.text_tokens * sizes.text_dim * c,
         gathered_train=in_flight,
@@ -262,3 +265,33 @@ def test_trainer_refuses_a_budget_the_rollout_cannot_meet(tmp_path):
 
     run_distributed(_trainer_refuses_body, 1, str(tmp_path))
     assert not list(tmp_path.rglob("metrics.jsonl"))
+
+
+def test_reward_models_are_resident_bytes_counted_once():
+    """The reward models' device bytes (``resident_bytes``: parameters and buffers, a model shared
+    by two rewards once, tensors elsewhere not at all) join the persistent terms."""
+    from miles.rewards.base import Reward, resident_bytes
+
+    class Scorer(Reward):
+        def __init__(self, *modules):
+            self.a, self.b = (*modules, None, None)[:2]
+            self.not_a_module = torch.ones(1000)
+
+        def __call__(self, videos, prompts):
+            raise NotImplementedError
+
+    shared = torch.nn.Linear(10, 20)  # 220 fp32 values
+    norm = torch.nn.BatchNorm1d(8).to(torch.float64)  # 16 parameters + 17 buffer values, 8 bytes each
+    meta = torch.nn.Linear(4, 4, device="meta")  # not on the device: not counted
+    rewards = [Scorer(shared, norm), Scorer(shared, meta), Scorer()]
+    want = 220 * 4 + (16 + 8 + 8) * 8 + 8  # BatchNorm buffers: mean, var (float64), count (int64)
+    assert resident_bytes(rewards, "cpu") == want
+    assert resident_bytes(rewards, "cuda") == 0
+
+    cfg = _cfg()
+    sizes = _expert_14b()[0]
+    base = ResidentMemory.of(cfg, sizes, _shape(), 4)
+    with_rewards = ResidentMemory.of(cfg, sizes, _shape(), 4, reward_bytes=want)
+    assert with_rewards.rewards == want
+    assert with_rewards.persistent - base.persistent == pytest.approx(want)
+    assert with_rewards.train_fixed - base.train_fixed == pytest.approx(want)
