@@ -15,6 +15,9 @@ the Ulysses degree (``4u2``: ulysses 2 x ring 2); plain ``SP`` takes the trainer
 
 Collective bytes come from one extra step on an uncompiled copy (``bench/collective_bytes.py``),
 per layer = per step / num_layers. Ideal speed-up at sp is sp x; ``efficiency`` = t(1) / (sp t(sp)).
+``model TFLOP/s``: one rank's share of the step's model FLOPs (``bench/gpu_bench.py``'s formula x 3
+for forward + backward, / sp) over its time; a row above the 782 TFLOP/s bf16 peak is flagged: it
+did less work than the real rank (on the H200, sp 4 under the fake group ran at an implied 1003).
 Writes ``sp_timing.json`` and ``sp_timing.md`` to ``--out``.
 """
 
@@ -31,6 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 TEXT_TOKENS = 512
+PEAK_TFLOPS = 782.0  # bf16 dense, H200 (DESIGN.md): a row above it did not do the real work
 
 
 def parse_layout(text: str) -> tuple[int, int]:
@@ -133,6 +137,7 @@ def run_layout(args, sp: int, ulysses: int) -> dict:
 
     from bench.collective_bytes import count_collectives, summarize
     from bench.fake_rank import fake_collective_fixes, init_fake_world
+    from bench.gpu_bench import model_flops
     from miles.parallel.compile import resolve_compile
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -154,6 +159,8 @@ def run_layout(args, sp: int, ulysses: int) -> dict:
         times = timed_ms(make_step(transformer, latent, args.batch, device), args.warmup, args.iters, device)
     patch = transformer.config.patch_size
     tokens = (latent[1] // patch[0]) * (latent[2] // patch[1]) * (latent[3] // patch[2])
+    step_ms = sorted(times)[len(times) // 2]
+    flops = 3 * args.batch * model_flops(transformer.config, tokens) / sp  # one rank's share, no recompute
     return {
         "layout": f"{sp}u{dims.ulysses}",
         "sp": sp,
@@ -167,7 +174,9 @@ def run_layout(args, sp: int, ulysses: int) -> dict:
         "num_layers": num_layers,
         "compiled": compile_blocks,
         "checkpointing": args.checkpointing,
-        "step_ms": sorted(times)[len(times) // 2],
+        "step_ms": step_ms,
+        "model_tflops_per_rank": flops / 1e12,
+        "tflops_per_s": flops / (step_ms / 1e3) / 1e12,
         "step_ms_all": times,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
         "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
@@ -182,17 +191,31 @@ def markdown(rows: list[dict]) -> str:
         f"batch {rows[0]['batch']}, {rows[0]['checkpointing']} checkpointing, "
         f"{'compiled' if rows[0]['compiled'] else 'eager'}, on {rows[0]['device']}",
         "",
-        "| layout | ulysses x ring | tokens/rank | step ms | speed-up vs sp1 | efficiency | peak GiB |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+        "| layout | ulysses x ring | tokens/rank | step ms | model TFLOP/s | speed-up vs sp1 | efficiency | peak GiB |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
+    impossible = []
     for r in rows:
         speed = base / r["step_ms"] if base else None
         eff = speed / r["sp"] if speed else None
+        rate = r.get("tflops_per_s")
+        flag = ""
+        if rate is not None and r["device"] != "cpu" and rate > PEAK_TFLOPS:
+            flag = " (!)"
+            impossible.append(f"sp{r['sp']}")
         lines.append(
             f"| sp{r['sp']} | {r['ulysses']} x {r['ring']} | {r['tokens_per_rank']} | {r['step_ms']:.1f} | "
+            f"{'—' if rate is None else f'{rate:.0f}'}{flag} | "
             f"{'—' if speed is None else f'{speed:.2f}'} | {'—' if eff is None else f'{eff:.0%}'} | "
             f"{'—' if r['peak_gib'] is None else format(r['peak_gib'], '.1f')} |"
         )
+    if impossible:
+        lines += [
+            "",
+            f"(!) {', '.join(impossible)}: the model FLOPs of one rank's share (forward + backward, no "
+            f"recompute) over the step time exceed the {PEAK_TFLOPS:.0f} TFLOP/s bf16 peak: that step did "
+            "less work than the real rank does, so its time is not the real compute time.",
+        ]
     lines += [
         "",
         "Bytes per layer per rank, one train step (forward + backward; buffer = the rank's input to the "

@@ -153,6 +153,12 @@ def test_sp_collective_bytes_match_the_formulas(sp_timing):
     s, world, fp32 = r["tokens_per_rank"], r["sp"], 4
     rows = {(c["category"], c["kind"]): c for c in r["collectives"]}
     assert (r["ulysses"], r["ring"]) == (2, 2)
+    # one rank's share of the model FLOPs (forward + backward) and the rate it implies
+    from bench.gpu_bench import model_flops
+
+    flops = 3 * B * model_flops(config, r["tokens"]) / world
+    assert r["model_tflops_per_rank"] == pytest.approx(flops / 1e12, rel=1e-12)
+    assert r["tflops_per_s"] == pytest.approx(flops / (r["step_ms"] / 1e3) / 1e12, rel=1e-12)
     ulysses = rows[("ulysses", "all_to_all")]
     assert ulysses["buffer_bytes_per_layer"] == 8 * B * s * H * D * fp32
     assert ulysses["wire_bytes_per_layer"] == ulysses["buffer_bytes_per_layer"] / 2  # (u - 1) / u, u = 2
