@@ -355,6 +355,9 @@ class Trainer:
             f"({self.resident.train_fixed / 2**30:.1f} GiB resident in training, "
             f"{self.resident.rollout_peak / 2**30:.1f} GiB rollout peak, {ALLOCATOR_SLACK:.0%} slack): "
             + ", ".join(f"{m} x{modes.count(m)}" for m in dict.fromkeys(modes))
+            + " (one block keeps "
+            + ", ".join(f"{m} {b / 2**30:.2f}" for m, b in block_bytes.items())
+            + " GiB)"
         )
         return modes
 
