@@ -381,10 +381,6 @@ def dry_run(
     ``device_type`` picks the default attention backend and ring kernel (the memory numbers
     are per GPU). Raises :class:`DryRunError` where the real run would refuse to start.
     """
-    from miles.sequence_parallel import validate_sp_args
-    from miles.sequence_parallel.ring import select_ring_kernel
-    from miles.train.trainer import default_attention_backend
-
     world_source = "--world-size"
     if world_size is None:
         world_size, world_source = _env_int("WORLD_SIZE"), "$WORLD_SIZE"
@@ -393,14 +389,58 @@ def dry_run(
     local_source = "argument"
     if local_world_size is None:
         local_world_size, local_source = local_world_size_from_env(), "environment"
-    p, r = cfg.parallel, cfg.rollout
 
     model, index, warnings = _load_meta_model(cfg)
     first = model.transformers[0]
     tcfg = first.config
-    heads = model.num_attention_heads
+    dims, mesh = _mesh_report(cfg, model.num_attention_heads, world_size, world_source, local_world_size)
+    inputs, input_warnings = _check_inputs(cfg, dims.dp, model.path, model.condition_mode is not None)
+    warnings += input_warnings
+    mesh["node_note"] = _node_note(dims, world_size, local_world_size, local_source)
+    sp_plan = _sp_plan_report(cfg, dims, model, device_type)
+    sequence, shape = _sequence_report(cfg, dims, model, warnings)
+    params, sizes = _param_report(cfg, model)
+    memory, ac_note = _memory_report(cfg, dims, sizes, shape, tcfg.num_layers, device_type)
+    report = {
+        "world_size": world_size,
+        "world_size_source": world_source,
+        "local_world_size": local_world_size,
+        "model": {
+            "path": str(model.path),
+            "pipeline": index.get("_class_name"),
+            "transformer_class": type(first).__name__,
+            "num_experts": len(model.transformers),
+            "boundary_ratio": model.boundary_ratio,
+            "expand_timesteps": model.expand_timesteps,
+            "image_condition": model.condition_mode,
+            "num_attention_heads": model.num_attention_heads,
+            "attention_head_dim": tcfg.attention_head_dim,
+            "hidden_size": sizes.hidden_size,
+            "ffn_dim": sizes.ffn_dim,
+            "num_layers": tcfg.num_layers,
+            "text_dim": tcfg.text_dim,
+            "patch_size": list(tcfg.patch_size),
+        },
+        "mesh": mesh,
+        "sp_plan": sp_plan,
+        "sequence": sequence,
+        "inputs": inputs,
+        "activation_checkpointing": ac_note,
+        "params": params,
+        "memory_gib": memory,
+        "warnings": warnings,
+    }
+    if verbose:
+        print(format_report(report), flush=True)
+    return report
 
-    # --- mesh: the checks ParallelDims and the trainer apply
+
+def _mesh_report(
+    cfg: Config, heads: int, world_size: int, world_source: str, local_world_size: int | None
+) -> tuple[ParallelDims, dict]:
+    """The mesh, with the checks ParallelDims and the trainer apply, and its report section (the
+    node note is added by the caller, after the input checks)."""
+    p = cfg.parallel
     try:
         dims = ParallelDims(
             world_size=world_size,
@@ -420,22 +460,48 @@ def dry_run(
         check_ulysses_within_node(dims, local_world_size)
     except ValueError as e:
         raise DryRunError(f"invalid parallel layout: {e}") from None
-    inputs, input_warnings = _check_inputs(cfg, dims.dp, model.path, model.condition_mode is not None)
-    warnings += input_warnings
+    return dims, {
+        "dp": dims.dp,
+        "sp": dims.sp,
+        "ulysses": dims.ulysses,
+        "ring": dims.ring,
+        "replicate": dims.replicate,
+        "shard": dims.shard,
+        "ulysses_auto": p.ulysses_degree == 0,
+        "ulysses_note": ulysses_note,
+        "node_note": None,
+        "shard_groups": dims.shard_groups(),
+        "groups": {
+            "dp": dims.dp_groups(),
+            "sp": dims.sp_groups(),
+            "ulysses": dims.ulysses_groups(),
+            "ring": dims.ring_groups(),
+        },
+    }
+
+
+def _node_note(dims: ParallelDims, world_size: int, local_world_size: int | None, local_source: str) -> str:
     if local_world_size is None:
-        node_note = (
+        return (
             "processes per node unknown (set LOCAL_WORLD_SIZE or NPROC_PER_NODE): Ulysses groups stay inside "
             f"a node when the processes per node are a multiple of ulysses {dims.ulysses}"
         )
-    else:
-        num_nodes = math.ceil(world_size / local_world_size)
-        ring_crosses = any(len({rank // local_world_size for rank in g}) > 1 for g in dims.ring_groups())
-        node_note = (
-            f"{local_world_size} processes per node ({local_source}), {num_nodes} node(s): Ulysses groups stay "
-            f"inside a node; ring groups {'cross nodes' if ring_crosses else 'stay inside a node'}"
-        )
+    num_nodes = math.ceil(world_size / local_world_size)
+    ring_crosses = any(len({rank // local_world_size for rank in g}) > 1 for g in dims.ring_groups())
+    return (
+        f"{local_world_size} processes per node ({local_source}), {num_nodes} node(s): Ulysses groups stay "
+        f"inside a node; ring groups {'cross nodes' if ring_crosses else 'stay inside a node'}"
+    )
 
-    # --- SP plan, attention backend, ring kernel
+
+def _sp_plan_report(cfg: Config, dims: ParallelDims, model, device_type: str) -> dict:
+    """The SP plan's boundaries, the attention backend and the ring kernel, checked as the trainer
+    checks them."""
+    from miles.sequence_parallel import validate_sp_args
+    from miles.sequence_parallel.ring import select_ring_kernel
+    from miles.train.trainer import default_attention_backend
+
+    p = cfg.parallel
     backend = p.fsdp_attention_backend or default_attention_backend(torch.device(device_type))
     backend_note = "--fsdp-attention-backend" if p.fsdp_attention_backend else f"default on {device_type}"
     try:
@@ -459,26 +525,54 @@ def dry_run(
             device_type: select_ring_kernel(backend, torch.device(device_type)).name,
             "cpu": select_ring_kernel(backend, torch.device("cpu")).name,
         }
+    return {
+        "enabled": dims.sp > 1,
+        "source": f"{type(model.transformers[0]).__name__}._cp_plan",
+        "boundaries": plan_rows,
+        "error": plan_error,
+        "attention_backend": backend,
+        "attention_backend_note": backend_note,
+        "ring_kernel": ring_kernel,
+    }
 
-    # --- sequence
-    latent_shape = model.latent_shape(r.num_frames, r.height, r.width)
+
+def _sequence_report(cfg: Config, dims: ParallelDims, model, warnings: list[str]) -> tuple[dict, Any]:
+    """The sequence each rank holds and the rollout's shape (:func:`rollout_shape`)."""
+    r = cfg.rollout
+    tcfg = model.transformers[0].config
     tokens = model.num_tokens(r.num_frames, r.height, r.width)
-    # Uneven lengths are padded at the shard boundary: every sp rank holds ceil(S/sp) tokens.
-    pads = -tokens % dims.sp
     try:
         num_sde_steps = count_sde_steps(cfg)
     except ValueError as e:
         raise DryRunError(f"invalid rollout schedule: {e}") from None
-    samples = cfg.data.prompts_per_rank * cfg.data.group_size
-    micro = cfg.train.micro_batch_size  # samples per forward, in rollout and training alike
-    cfg_factor = guidance_factor(cfg, len(model.transformers))
     if (tcfg.get("added_kv_proj_dim") or tcfg.get("image_dim")) and cfg.data.max_sequence_length != 512:
         warnings.append(
             f"this is an I2V transformer: Wan splits its context at 512 text tokens, but "
             f"data.max_sequence_length is {cfg.data.max_sequence_length}"
         )
+    shape = rollout_shape(cfg, model, dims.sp, num_sde_steps)
+    T = shape.tokens_per_rank
+    return {
+        "num_frames": r.num_frames,
+        "height": r.height,
+        "width": r.width,
+        "latent_shape": list(model.latent_shape(r.num_frames, r.height, r.width)),
+        "tokens_per_sample": tokens,
+        "tokens_per_sp_rank": T,
+        "tokens_per_rank_in_attention": T * dims.ulysses,
+        # uneven lengths are padded at the shard boundary: every sp rank holds ceil(S/sp) tokens
+        "pad_tokens": -tokens % dims.sp,
+        "text_tokens": cfg.data.max_sequence_length,
+        "samples_per_rank": cfg.data.prompts_per_rank * cfg.data.group_size,
+        "micro_batch": cfg.train.micro_batch_size,  # samples per forward, in rollout and training alike
+        "cfg_factor": guidance_factor(cfg, len(model.transformers)),
+        "num_sde_steps": num_sde_steps,
+    }, shape
 
-    # --- parameters (exact, from the meta modules)
+
+def _param_report(cfg: Config, model) -> tuple[dict, ModelSizes]:
+    """Exact parameter counts from the meta modules, and the sizes the memory terms take."""
+    tcfg = model.transformers[0].config
     per_expert = [_numel(t) for t in model.transformers]
     blocks = [max(_numel(b) for b in t.blocks) for t in model.transformers]
     roots = [_numel(t) - sum(_numel(b) for b in t.blocks) for t in model.transformers]
@@ -493,11 +587,6 @@ def dry_run(
             )
         lora = sum(lora_per)
     total = sum(per_expert) + lora  # adapters are sharded with the rest
-    trainable = lora if cfg.model.lora_rank > 0 else total
-    text_encoder_params = _numel(model.pipeline.text_encoder)
-    vae_params = _numel(model.pipeline.vae)
-
-    # --- memory per rank: the trainer's own terms (miles/parallel/memory_budget.py)
     sizes = ModelSizes(
         expert_params=tuple(per_expert),
         lora_params=lora,
@@ -506,11 +595,28 @@ def dry_run(
         hidden_size=tcfg.num_attention_heads * tcfg.attention_head_dim,
         ffn_dim=tcfg.ffn_dim,
         text_dim=tcfg.text_dim,
-        text_encoder_params=text_encoder_params,
-        vae_params=vae_params,
+        text_encoder_params=_numel(model.pipeline.text_encoder),
+        vae_params=_numel(model.pipeline.vae),
         vae_base_dim=int(getattr(model.pipeline.vae.config, "base_dim", 96) or 96),
     )
-    shape = rollout_shape(cfg, model, dims.sp, num_sde_steps)
+    return {
+        "per_expert": per_expert,
+        "transformer": sum(per_expert),
+        "lora_adapters": lora,
+        "trainable": lora if cfg.model.lora_rank > 0 else total,
+        "largest_block": max(blocks),
+        "outside_blocks": max(roots),
+        "text_encoder": sizes.text_encoder_params,
+        "vae": sizes.vae_params,
+        "dtype": cfg.model.dtype,
+    }, sizes
+
+
+def _memory_report(
+    cfg: Config, dims: ParallelDims, sizes: ModelSizes, shape, num_layers: int, device_type: str
+) -> tuple[dict[str, float], str]:
+    """Memory per rank from the trainer's own terms (``miles/parallel/memory_budget.py``) and the
+    activation checkpointing plan, with its note."""
     resident = ResidentMemory.of(cfg, sizes, shape, dims.shard, device_type)
     budget_mode = cfg.model.activation_checkpointing == "budget"
     budget = cfg.model.activation_memory_budget_gib * GIB
@@ -521,8 +627,8 @@ def dry_run(
     compiled = resolve_compile(cfg.model.compile, torch.device(device_type))
     activations, ac_note = _activation_bytes(
         cfg,
-        L=tcfg.num_layers,
-        tokens=micro * cfg_factor * shape.tokens_per_rank,
+        L=num_layers,
+        tokens=cfg.train.micro_batch_size * shape.cfg_factor * shape.tokens_per_rank,
         D=sizes.hidden_size,
         F=sizes.ffn_dim,
         b=DTYPES[cfg.model.dtype].itemsize,
@@ -530,90 +636,7 @@ def dry_run(
         activation_budget_bytes=left,
     )
     ac_note += ", compiled" if compiled else ", eager"
-    mem = _memory_table(resident, activations, ALLOCATOR_SLACK * budget if budget_mode else 0.0)
-    D, F, L, T = sizes.hidden_size, sizes.ffn_dim, tcfg.num_layers, shape.tokens_per_rank
-
-    report = {
-        "world_size": world_size,
-        "world_size_source": world_source,
-        "local_world_size": local_world_size,
-        "model": {
-            "path": str(model.path),
-            "pipeline": index.get("_class_name"),
-            "transformer_class": type(first).__name__,
-            "num_experts": len(model.transformers),
-            "boundary_ratio": model.boundary_ratio,
-            "expand_timesteps": model.expand_timesteps,
-            "image_condition": model.condition_mode,
-            "num_attention_heads": heads,
-            "attention_head_dim": tcfg.attention_head_dim,
-            "hidden_size": D,
-            "ffn_dim": F,
-            "num_layers": L,
-            "text_dim": tcfg.text_dim,
-            "patch_size": list(tcfg.patch_size),
-        },
-        "mesh": {
-            "dp": dims.dp,
-            "sp": dims.sp,
-            "ulysses": dims.ulysses,
-            "ring": dims.ring,
-            "replicate": dims.replicate,
-            "shard": dims.shard,
-            "ulysses_auto": p.ulysses_degree == 0,
-            "ulysses_note": ulysses_note,
-            "node_note": node_note,
-            "shard_groups": dims.shard_groups(),
-            "groups": {
-                "dp": dims.dp_groups(),
-                "sp": dims.sp_groups(),
-                "ulysses": dims.ulysses_groups(),
-                "ring": dims.ring_groups(),
-            },
-        },
-        "sp_plan": {
-            "enabled": dims.sp > 1,
-            "source": f"{type(first).__name__}._cp_plan",
-            "boundaries": plan_rows,
-            "error": plan_error,
-            "attention_backend": backend,
-            "attention_backend_note": backend_note,
-            "ring_kernel": ring_kernel,
-        },
-        "sequence": {
-            "num_frames": r.num_frames,
-            "height": r.height,
-            "width": r.width,
-            "latent_shape": list(latent_shape),
-            "tokens_per_sample": tokens,
-            "tokens_per_sp_rank": T,
-            "tokens_per_rank_in_attention": T * dims.ulysses,
-            "pad_tokens": pads,
-            "text_tokens": cfg.data.max_sequence_length,
-            "samples_per_rank": samples,
-            "micro_batch": micro,
-            "cfg_factor": cfg_factor,
-            "num_sde_steps": num_sde_steps,
-        },
-        "inputs": inputs,
-        "activation_checkpointing": ac_note,
-        "params": {
-            "per_expert": per_expert,
-            "transformer": sum(per_expert),
-            "lora_adapters": lora,
-            "trainable": trainable,
-            "largest_block": max(blocks),
-            "outside_blocks": max(roots),
-            "text_encoder": text_encoder_params,
-            "vae": vae_params,
-            "dtype": cfg.model.dtype,
-        },
-        "memory_gib": mem,
-        "warnings": warnings,
-    }
-    if verbose:
-        print(format_report(report), flush=True)
-    return report
+    return _memory_table(resident, activations, ALLOCATOR_SLACK * budget if budget_mode else 0.0), ac_note
 
 
 def _memory_table(resident: ResidentMemory, activations: float, slack: float) -> dict[str, float]:
