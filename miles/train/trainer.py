@@ -147,19 +147,24 @@ def peak_memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB (process RSS)
 
 
+def _deterministic_kernels() -> None:
+    """``parallel.deterministic_mode``: deterministic cuBLAS and torch kernels, and compiled blocks
+    without kernel choice by on-device timing (which can differ run to run)."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=False)
+    import torch._inductor.config as inductor_config
+
+    if hasattr(inductor_config, "deterministic"):
+        inductor_config.deterministic = True
+
+
 class Trainer:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.device = init_distributed(cfg.run.collective_timeout_s)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         if cfg.parallel.deterministic_mode:
-            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-            torch.use_deterministic_algorithms(True, warn_only=False)
-            # Compiled blocks: no kernel choice by on-device timing, which can differ run to run.
-            import torch._inductor.config as inductor_config
-
-            if hasattr(inductor_config, "deterministic"):
-                inductor_config.deterministic = True
+            _deterministic_kernels()
         torch.manual_seed(cfg.run.seed)
         self.progress = show_progress(cfg.run.progress)  # rank 0, on a terminal
         configure_library_progress(self.progress)
@@ -215,23 +220,48 @@ class Trainer:
         )
         if self.compile_blocks:
             print0("[miles] torch.compile per block: the first rollout and train step include compile time")
+        self._training_state()
+        self.stop = GracefulStop(self.device)  # SIGINT/SIGTERM: save at the next safe point, then exit
+        self._open_run_dir()
+        if self.resume_from is not None:
+            self._resume(self.resume_from)
+        else:
+            self.logger.truncate_after(0)  # rows of a run that saved no checkpoint are redone
+        print0(
+            f"[miles] world {self.world_size} = dp {self.dims.dp} x sp {self.dims.sp} "
+            f"(ulysses {self.dims.ulysses} x ring {self.dims.ring}); model {self.model.path} "
+            f"({len(self.model.transformers)} expert(s), {self.model.num_attention_heads} heads); "
+            f"{self.num_tokens} tokens/sample ({-(-self.num_tokens // self.dims.sp)} per sp rank); "
+            f"attention backend {self.attention_backend or 'default'}; run dir {self.run_dir}"
+        )
+
+    # ------------------------------------------------------------------------------------------
+    # setup
+
+    def _training_state(self) -> None:
+        """AdamW over the trainable parameters, the counters and the EMA."""
+        cfg = self.cfg.train
         params = [p for t in self.model.transformers for p in t.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             params,
-            lr=cfg.train.learning_rate,
-            betas=tuple(cfg.train.adam_betas),
-            eps=cfg.train.adam_eps,
-            weight_decay=cfg.train.weight_decay,
+            lr=cfg.learning_rate,
+            betas=tuple(cfg.adam_betas),
+            eps=cfg.adam_eps,
+            weight_decay=cfg.weight_decay,
         )
         self._saved_step = -1
         self._eval_step = -1
-        self.stop = GracefulStop(self.device)  # SIGINT/SIGTERM: save at the next safe point, then exit
         self.step = 0  # optimizer steps taken
         self.rollout_index = 0  # rollout batches completed
         self.experts = nn.ModuleList(self.model.transformers)  # one module for checkpoints
         trainable = [(n, p) for n, p in self.experts.named_parameters() if p.requires_grad]
-        self.ema = EMA(trainable, cfg.train.ema_decay) if cfg.train.ema_decay > 0 else None
-        if cfg.train.overwrite:  # every check has passed: only now is the previous run deleted
+        self.ema = EMA(trainable, cfg.ema_decay) if cfg.ema_decay > 0 else None
+
+    def _open_run_dir(self) -> None:
+        """Every check has passed: only now is a previous run deleted (``--train.overwrite``); the
+        metrics logger opens and rank 0 writes ``config.yaml``."""
+        cfg = self.cfg
+        if cfg.train.overwrite:
             if self.rank == 0 and (removed := clear_run_dir(self.run_dir)):
                 print0(
                     f"[miles] --train.overwrite: deleted the previous run's {', '.join(removed)} in {self.run_dir}"
@@ -251,20 +281,6 @@ class Trainer:
             (self.run_dir / "config.yaml").write_text(
                 yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False)
             )
-        if self.resume_from is not None:
-            self._resume(self.resume_from)
-        else:
-            self.logger.truncate_after(0)  # rows of a run that saved no checkpoint are redone
-        print0(
-            f"[miles] world {self.world_size} = dp {self.dims.dp} x sp {self.dims.sp} "
-            f"(ulysses {self.dims.ulysses} x ring {self.dims.ring}); model {self.model.path} "
-            f"({len(self.model.transformers)} expert(s), {self.model.num_attention_heads} heads); "
-            f"{self.num_tokens} tokens/sample ({-(-self.num_tokens // self.dims.sp)} per sp rank); "
-            f"attention backend {self.attention_backend or 'default'}; run dir {self.run_dir}"
-        )
-
-    # ------------------------------------------------------------------------------------------
-    # setup
 
     def _load_inputs(self) -> None:
         """The prompts (training and held-out, and their images for image-to-video) and the rewards:
