@@ -696,14 +696,7 @@ def _human(x: int) -> str:
 
 def format_report(rep: dict[str, Any]) -> str:
     """The readable form of a :func:`dry_run` report."""
-    m, mesh, plan, seq, par, mem = (
-        rep["model"],
-        rep["mesh"],
-        rep["sp_plan"],
-        rep["sequence"],
-        rep["params"],
-        rep["memory_gib"],
-    )
+    m, mesh = rep["model"], rep["mesh"]
     experts = f"{m['num_experts']} x {m['transformer_class']}"
     if m["num_experts"] == 2:
         experts += f", boundary_ratio {m['boundary_ratio']}"
@@ -729,7 +722,16 @@ def format_report(rep: dict[str, Any]) -> str:
         lines.append(f"  {'fsdp':<15} all {rep['world_size']} ranks (parameters sharded over dp x sp)")
     lines.append(f"  {'nodes':<15} {mesh['node_note']}")
     lines.append(f"inputs    {rep['inputs']}")
+    lines += _plan_lines(rep["sp_plan"])
+    lines += _sequence_lines(rep["sequence"], mesh["sp"])
+    lines += _param_memory_lines(rep)
+    for w in rep["warnings"]:
+        lines.append(f"warning   {w}")
+    return "\n".join(lines)
 
+
+def _plan_lines(plan: dict) -> list[str]:
+    lines = []
     state = "installed" if plan["enabled"] else "not installed (sp = 1)"
     lines.append(f"sp plan   from {plan['source']}; {state}")
     # In forward order: the root's inputs first, the gather last.
@@ -752,12 +754,16 @@ def format_report(rep: dict[str, Any]) -> str:
         f"({plan['attention_backend_note']}); ring kernel {kernel}"
     )
 
+    return lines
+
+
+def _sequence_lines(seq: dict, sp: int) -> list[str]:
     cfg_note = " x CFG 2" if seq["cfg_factor"] == 2 else ""
-    lines += [
+    return [
         f"sequence  {seq['num_frames']} frames {seq['height']}x{seq['width']} -> latent "
         f"{tuple(seq['latent_shape'])} -> {_n(seq['tokens_per_sample'])} tokens/sample",
         f"          {_n(seq['tokens_per_sp_rank'])} tokens per sp rank (ceil(S/sp) = "
-        f"ceil({_n(seq['tokens_per_sample'])}/{mesh['sp']})"
+        f"ceil({_n(seq['tokens_per_sample'])}/{sp})"
         + (
             f"; {seq['pad_tokens']} pad tokens on the last rank(s), excluded from attention"
             if seq["pad_tokens"]
@@ -767,9 +773,13 @@ def format_report(rep: dict[str, Any]) -> str:
         f"          {seq['text_tokens']} text tokens; {seq['samples_per_rank']} samples per dp rank, micro batch "
         f"{seq['micro_batch']}{cfg_note} per forward; {seq['num_sde_steps']} SDE steps trained",
     ]
+
+
+def _param_memory_lines(rep: dict) -> list[str]:
+    par, mem, mesh = rep["params"], rep["memory_gib"], rep["mesh"]
     per = " + ".join(_n(x) for x in par["per_expert"]) + " = " if len(par["per_expert"]) > 1 else ""
     trainable = "all" if not par["lora_adapters"] else f"LoRA adapters {_n(par['lora_adapters'])}"
-    lines += [
+    lines = [
         f"params    transformer {per}{_n(par['transformer'])} ({_human(par['transformer'])}; exact, "
         f"meta device); trainable: {trainable} ({_n(par['trainable'])})",
         f"          largest block {_n(par['largest_block'])}, outside blocks {_n(par['outside_blocks'])}; "
@@ -799,6 +809,5 @@ def format_report(rep: dict[str, Any]) -> str:
     lines.append(f"  {'= rollout peak':<42} {mem['rollout_peak']:10.3f}")
     if mem["allocator_slack"]:
         lines.append(f"  {'+ allocator slack (5% of the budget)':<42} {mem['allocator_slack']:10.3f}")
-    for w in rep["warnings"]:
-        lines.append(f"warning   {w}")
-    return "\n".join(lines)
+    lines.append("  (not counted: the reward models; the trainer adds their loaded bytes to its plan)")
+    return lines
