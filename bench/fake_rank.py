@@ -4,15 +4,19 @@
 at once and move nothing, while every tensor, shape and allocation stays real, so one GPU can
 rehearse one rank of a larger job (peak memory, kernels at 1/sp of the sequence).
 
-What the fake group returns (checked on torch 2.13, ``tests/e2e/test_benchmarks.py``):
-all-gathers fill every chunk with the local input, reduce-scatter returns the local chunk,
-all-to-all returns its input, all-reduce leaves the tensor as it was: all finite and of the
-right shape. Object collectives (gather/all-gather/scatter of pickled objects, which DCP uses) hand
-every "rank" this rank's object: on CUDA (torch 2.11) the fake gather left the pickles unfilled. Point-to-point receives leave the buffer untouched (uninitialised memory): they are
-zero-filled here. DCP's save-plan coverage check is skipped (every fake rank reports rank 0's
-chunks). Random weights at 30-40 layers, with gathered parameters that are copies of
-the local shard, may overflow to inf/NaN: :func:`tolerate_nonfinite` keeps the trainer's
-non-finite checks from stopping a rehearsal (the numbers are meaningless; memory is the point).
+What the fake group returns on CPU (torch 2.13, ``tests/e2e/test_benchmarks.py``): all-gathers
+fill every chunk with the local input, reduce-scatter returns the local chunk, all-to-all returns
+its input, all-reduce leaves the tensor as it was: all finite and of the right shape. On CUDA
+(torch 2.11) the object gathers came back unfilled, and the sp 4 train step ran at an implied
+1003 TFLOP/s, above the bf16 peak: the tensor outputs are taken to be left as allocated too
+(uninitialised or zero memory, data no real rank sees). :func:`fake_collective_fixes` therefore
+fills every tensor collective's output as the CPU group does, zero-fills point-to-point receive
+buffers, hands every "rank" this rank's object in object collectives (DCP), and skips DCP's
+save-plan coverage check (every fake rank reports rank 0's chunks). The ring kernels' permutes go
+through torch's functional collectives and are not filled. Random weights at 30-40 layers, with
+gathered parameters that are copies of the local shard, may overflow to inf/NaN:
+:func:`tolerate_nonfinite` keeps the trainer's non-finite checks from stopping a rehearsal (the
+numbers are meaningless; memory is the point).
 
 Everything is patched here, at run time: ``miles/`` is never edited for the fake group.
 """
@@ -70,9 +74,68 @@ def _first_scatter(
         scatter_object_output_list[0] = scatter_object_input_list[0]
 
 
+def _io(args, kwargs, out_names, in_names):
+    out = args[0] if args else next((kwargs[n] for n in out_names if n in kwargs), None)
+    inp = args[1] if len(args) > 1 else next((kwargs[n] for n in in_names if n in kwargs), None)
+    return out, inp
+
+
+def _fill_gather_tensor(out, inp):
+    """Every chunk of the gathered buffer holds the local input (as the CPU fake group does)."""
+    if out.is_contiguous() and inp.numel() and out.numel() % inp.numel() == 0:
+        out.view(-1, inp.numel()).copy_(inp.reshape(1, -1))
+
+
+def _fill_scatter_tensor(out, inp):
+    """The reduce-scatter's output is the input's first chunk."""
+    if inp.is_contiguous() and inp.numel() >= out.numel():
+        out.copy_(inp.view(-1)[: out.numel()].view_as(out))
+
+
+def _fill_all_to_all(out, inp):
+    """Equal splits: the output is the input (as the CPU fake group does)."""
+    if out.numel() == inp.numel():
+        out.copy_(inp.view_as(out) if inp.is_contiguous() else inp.reshape(out.shape))
+
+
+def _filling(op, fill):
+    """``op`` (a tensor collective of the fake group) followed by ``fill(output, input)``: on CUDA
+    (torch 2.11) the fake group leaves outputs as allocated — uninitialised or zero memory, which
+    let GEMMs and attention run on data no real rank sees (faster on zeros, NaN on garbage)."""
+
+    def wrapped(*args, **kwargs):
+        work = op(*args, **kwargs)
+        out, inp = _io(args, kwargs, ("output_tensor", "output"), ("input_tensor", "input"))
+        if out is not None and inp is not None:
+            if out.untyped_storage().data_ptr() == inp.untyped_storage().data_ptr():
+                inp = inp.clone()  # in place (FSDP gathers from a slice of the output buffer)
+            fill(out, inp)
+        return work
+
+    return wrapped
+
+
+_TENSOR_FILLS = {
+    "all_gather_into_tensor": _fill_gather_tensor,
+    "all_gather_single": _fill_gather_tensor,
+    "reduce_scatter_tensor": _fill_scatter_tensor,
+    "reduce_scatter_single": _fill_scatter_tensor,
+    "all_to_all_single": _fill_all_to_all,
+}
+
+
 @contextlib.contextmanager
 def fake_collective_fixes():
-    """Zero-fill point-to-point receive buffers (the fake group leaves them uninitialised)."""
+    """Fill the outputs of the tensor collectives as the CPU fake group does (every gathered chunk
+    the local input, the scatter's first chunk, the all-to-all's input), zero-fill point-to-point
+    receive buffers, and hand object collectives this rank's object."""
+    import miles.sequence_parallel.comm as sp_comm
+
+    tensor_ops = {name: getattr(dist, name) for name in _TENSOR_FILLS if hasattr(dist, name)}
+    for name, op in tensor_ops.items():
+        setattr(dist, name, _filling(op, _TENSOR_FILLS[name]))
+    sp_gather = sp_comm._all_gather_single  # bound at import: the SP boundary's gather
+    sp_comm._all_gather_single = _filling(sp_gather, _fill_gather_tensor)
     saved = {
         name: getattr(dist, name)
         for name in (
@@ -112,8 +175,9 @@ def fake_collective_fixes():
     try:
         yield
     finally:
-        for name, fn in saved.items():
+        for name, fn in {**saved, **tensor_ops}.items():
             setattr(dist, name, fn)
+        sp_comm._all_gather_single = sp_gather
         planner._validate_global_plan = validate
 
 

@@ -245,3 +245,31 @@ def test_real_config_folders_have_the_published_sizes(tmp_path, name, per_expert
     assert rep["sequence"]["tokens_per_sample"] == tokens
     assert rep["model"]["expand_timesteps"] == (name == "wan2.2-ti2v-5b")
     assert rep["model"]["boundary_ratio"] == (0.875 if experts == 2 else None)
+
+
+def test_fake_collective_outputs_are_filled_like_the_cpu_fake_group():
+    """``bench/fake_rank.py`` fills what a collective that moved nothing left as allocated: every
+    gathered chunk is the local input, the scatter's output the input's first chunk, the
+    all-to-all's output its input (positional or keyword arguments alike)."""
+    import torch
+
+    from bench.fake_rank import _fill_all_to_all, _fill_gather_tensor, _fill_scatter_tensor, _filling
+
+    def nothing(*args, **kwargs):
+        return "work"
+
+    x = torch.arange(6.0).reshape(2, 3)
+    out = torch.full((8, 3), float("nan"))
+    assert _filling(nothing, _fill_gather_tensor)(out, x, group=None, async_op=True) == "work"
+    assert torch.equal(out, x.repeat(4, 1))
+    buffer = torch.full((4, 3), float("nan"))  # in place, as FSDP gathers: the input is a slice of the output
+    buffer[1] = torch.tensor([1.0, 2.0, 3.0])
+    _filling(nothing, _fill_gather_tensor)(buffer, buffer[1])
+    assert torch.equal(buffer, torch.tensor([1.0, 2.0, 3.0]).repeat(4, 1))
+    big = torch.arange(12.0)
+    out = torch.full((3,), float("nan"))
+    _filling(nothing, _fill_scatter_tensor)(output=out, input=big)
+    assert torch.equal(out, big[:3])
+    out = torch.full((3, 2), float("nan"))
+    _filling(nothing, _fill_all_to_all)(out, x.t())  # a non-contiguous input of the same size
+    assert torch.equal(out, x.t().reshape(3, 2))
