@@ -95,13 +95,13 @@ def _fill_scatter_tensor(out, inp):
 def _fill_all_to_all(out, inp):
     """Equal splits: the output is the input (as the CPU fake group does)."""
     if out.numel() == inp.numel():
-        out.copy_(inp.view_as(out) if inp.is_contiguous() else inp.reshape(out.shape))
+        out.copy_(inp.reshape(out.shape))
 
 
 def _filling(op, fill):
-    """``op`` (a tensor collective of the fake group) followed by ``fill(output, input)``: on CUDA
-    (torch 2.11) the fake group leaves outputs as allocated — uninitialised or zero memory, which
-    let GEMMs and attention run on data no real rank sees (faster on zeros, NaN on garbage)."""
+    """``op`` (a tensor collective of the fake group) followed by ``fill(output, input)``, so that
+    what follows computes on data like a real rank's whatever the fake group left in the output
+    (on CUDA, taken to be the memory as allocated: see the module docstring)."""
 
     def wrapped(*args, **kwargs):
         work = op(*args, **kwargs)
