@@ -127,6 +127,7 @@ def measure_block_memory(
     keeps (every checkpointed mode saves its input), and the calibration's own input was
     allocated before the measurement. (Leaving it out under-counted 30 checkpointed 1.3B blocks
     at 81x480x832 by ~6 GiB: a 100 GiB budget peaked at 100.8.)
+    One untimed forward and backward per mode comes first (compilation, first-use workspaces).
     ``compiled``: measure the block as :func:`miles.parallel.compile.compile_blocks` runs it
     (Inductor saves fewer element-wise outputs than eager mode).
     """
@@ -137,9 +138,10 @@ def measure_block_memory(
         wrapped = wrap_block(block, mode)
         forward = compile_fn(wrapped.forward) if compiled else wrapped
         inputs = make_inputs()
-        if compiled:  # compile outside the measured window
-            forward(*make_inputs()).sum().backward()
-            block.zero_grad(set_to_none=True)
+        # Outside the measured window: the compile, and a first call's one-time allocations (the
+        # cuBLAS workspaces, ~40 MB, were counted as one block's bytes: n blocks over-counted n times).
+        forward(*make_inputs()).sum().backward()
+        block.zero_grad(set_to_none=True)
         torch.cuda.synchronize(device)
         before = torch.cuda.memory_allocated(device)
         y = forward(*inputs)
