@@ -8,8 +8,9 @@ Each case runs in its own process as rank 0 of a fake process group of the case'
 (``bench/fake_rank.py``: collectives move nothing; tensors, shapes and allocations are real),
 with random weights at the real configs (``bench/real_configs.py`` writes config-only folders;
 ``model.init: random``). ``miles.train.trainer.Trainer`` runs unchanged — load, shard, one rollout
-(one prompt group of 2 samples, one micro-batch each), decode, reward, one train step,
-checkpoint, export — with probes around its phases (``bench/probes.py``): wall time, peak GPU
+(one prompt group of 2 samples, one micro-batch each), decode, reward, two optimizer steps (one
+sample each: AdamW allocates its moments after the first step's peak, so the second step's peak
+is the steady state a long run sees), checkpoint, export — with probes around its phases (``bench/probes.py``): wall time, peak GPU
 memory (``max_memory_allocated`` / ``max_memory_reserved``) and host RSS. Beside each phase: the
 dry run's estimate (``miles/train/dry_run.py``) for the same config and world, and the ratio.
 
@@ -97,7 +98,8 @@ def build_config(
     case: Case, model_path: Path, work: Path, name: str, num_steps: int | None = None, export: bool = True
 ):
     """The recipe with the rehearsal's settings: config-only model with random weights, one rollout of
-    one prompt group (2 samples, micro-batch 1), one train step, checkpoint and export; no eval,
+    one prompt group (2 samples, micro-batch 1), two optimizer steps (the second holds AdamW's
+    moments, which the first allocates after its peak), checkpoint and export; no eval,
     no videos, no wandb; the jpeg reward (no reward weights to load)."""
     from miles.config import parse_args
 
@@ -111,7 +113,7 @@ def build_config(
         "data.group_size": 2,
         "train.micro_batch_size": 1,
         "train.num_rollouts": 1,
-        "train.steps_per_rollout": 1,
+        "train.steps_per_rollout": 2,  # the steady state: the second step's peak has the moments
         "train.checkpoint_every": 0,
         "train.resume": False,
         "train.overwrite": True,
@@ -236,6 +238,7 @@ def run_case(
         "torch": torch.__version__,
         "shape": [cfg.rollout.num_frames, cfg.rollout.height, cfg.rollout.width],
         "tokens_per_sample": trainer.num_tokens,
+        "optimizer_steps": trainer.step,
         "lora_rank": cfg.model.lora_rank,
         "kl_beta": cfg.grpo.kl_beta,
         "activation_memory_budget_gib": cfg.model.activation_memory_budget_gib,

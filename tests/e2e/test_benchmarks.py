@@ -85,8 +85,10 @@ def test_rehearsal_runs_the_trainers_whole_path(rehearsal):
             p["wall_s"] >= 0 and p["host_rss_gib"] > 0 and p["host_rss_peak_gib"] >= p["host_rss_gib"] * 0.99
         )
     assert (r["world_size"], r["dp"], r["sp"], r["ulysses"], r["ring"]) == (4, 2, 2, 2, 1)
+    # two optimizer steps: the second one's peak holds the AdamW moments the first allocates
+    assert r["optimizer_steps"] == 2
     run = out / "work" / "runs" / "tiny"
-    assert (run / "checkpoints" / "step_000001").is_dir()
+    assert (run / "checkpoints" / "step_000002").is_dir()
     assert (run / "export" / "pipeline" / "model_index.json").is_file()
     assert (out / "tiny.md").read_text().count("|") > 20
 
