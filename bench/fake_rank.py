@@ -107,8 +107,12 @@ def _filling(op, fill):
         work = op(*args, **kwargs)
         out, inp = _io(args, kwargs, ("output_tensor", "output"), ("input_tensor", "input"))
         if out is not None and inp is not None:
-            if out.untyped_storage().data_ptr() == inp.untyped_storage().data_ptr():
-                inp = inp.clone()  # in place (FSDP gathers from a slice of the output buffer)
+            # In place, FSDP gathers from a slice of the output buffer (in eager hooks). Traced code
+            # (Ulysses inside compiled blocks) must not read a storage pointer: Dynamo breaks the
+            # graph there and recompiles for every new address, until it falls back to eager.
+            traced = torch.compiler.is_compiling()
+            if not traced and out.untyped_storage().data_ptr() == inp.untyped_storage().data_ptr():
+                inp = inp.clone()
             fill(out, inp)
         return work
 

@@ -275,3 +275,28 @@ def test_fake_collective_outputs_are_filled_like_the_cpu_fake_group():
     out = torch.full((3, 2), float("nan"))
     _filling(nothing, _fill_all_to_all)(out, x.t())  # a non-contiguous input of the same size
     assert torch.equal(out, x.t().reshape(3, 2))
+
+
+def test_fake_collective_fill_compiles_without_a_graph_break():
+    """Ulysses calls the all-to-all inside compiled blocks: the fill must trace into one graph
+    (a storage-pointer check broke it and recompiled per address, then ran the blocks eagerly)."""
+    import torch
+
+    from bench.fake_rank import _fill_all_to_all, _filling
+
+    def nothing(*args, **kwargs):
+        return None
+
+    all_to_all = _filling(nothing, _fill_all_to_all)
+
+    def ulysses_like(x):
+        out = torch.empty_like(x)
+        all_to_all(out, x)
+        return out * 2
+
+    torch._dynamo.reset()
+    compiled = torch.compile(ulysses_like, fullgraph=True, backend="eager")
+    kept = [torch.randn(4, 3) for _ in range(3)]  # alive together: every buffer at a new address
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for x in kept:
+            assert torch.equal(compiled(x), x * 2)
