@@ -291,10 +291,14 @@ def calibrate_block_memory(
     batch: int = 2,
     dtype=torch.bfloat16,
     compiled: bool = False,
+    per_token_timesteps: bool = False,
 ) -> dict[str, float]:
     """Activation bytes one Wan block keeps for backward in each checkpointing mode, measured at
     ``batch`` x ``tokens`` (training's CFG batch of 2 by default) on a bf16 copy of block 0,
-    compiled or eager as training will run it."""
+    compiled or eager as training will run it. ``per_token_timesteps`` (Wan2.2 TI2V's
+    ``expand_timesteps``): the block's modulation input is per token, (batch, tokens, 6, D) in fp32,
+    as the model passes it; its fp32 shift/scale/gate products are per token too (eager: 32·D bytes
+    a token more than with one timestep per sample)."""
     import copy
 
     from miles.parallel.checkpointing import measure_block_memory
@@ -316,7 +320,8 @@ def calibrate_block_memory(
     def make_inputs():
         hidden = torch.randn(batch, tokens, dim, device=device, dtype=dtype, requires_grad=True)
         context = torch.randn(batch, 512, dim, device=device, dtype=dtype)
-        temb = torch.randn(batch, 6, dim, device=device, dtype=torch.float32)
+        temb_shape = (batch, tokens, 6, dim) if per_token_timesteps else (batch, 6, dim)
+        temb = torch.randn(temb_shape, device=device, dtype=torch.float32)
         rope = torch.randn(1, tokens, 1, cfg.attention_head_dim, device=device, dtype=torch.float32)
         return hidden, context, temb, (rope, rope)
 

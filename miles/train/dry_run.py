@@ -35,7 +35,9 @@ B = the micro batch ``train.micro_batch_size`` x 2 with CFG — cond and uncond 
 
   none       a = (52 + 9·b)·D + 2·F·b; compiled blocks (``model.compile``): a = 18·b·D + 2·F·b
              (measured on an H200 at the 1.3B and 5B shapes: 36.2·D + 4·F bytes a token in bf16,
-             eager 54·D + 4·F)
+             eager 54·D + 4·F); + 32·D with per-token timesteps (Wan2.2 TI2V ``expand_timesteps``:
+             the fp32 shift/scale/gate products are per token; saved-tensor accounting, eager and
+             with Inductor's min-cut partitioner alike)
   selective  a = (9.3·D + F)·b     (+ one block's "none" while it recomputes)
   full       a = D·b               (the block input; + one block's "none")
   budget     per block, from those, as ``plan_modes`` would pick them
@@ -308,11 +310,14 @@ def _sp_plan_rows(transformer: nn.Module) -> list[dict]:
     return rows
 
 
-def _block_bytes_per_token(D: int, F: int, b: int, compiled: bool = False) -> dict[str, float]:
+def _block_bytes_per_token(
+    D: int, F: int, b: int, compiled: bool = False, per_token_timesteps: bool = False
+) -> dict[str, float]:
     """Bytes one Wan block keeps for backward per token, per checkpointing mode (see the module docstring)."""
     return {
-        # compiled: Inductor recomputes the fp32 element-wise outputs instead of saving them
-        "none": (18 * b * D if compiled else (52 + 9 * b) * D) + 2 * F * b,
+        # compiled: Inductor recomputes the fp32 element-wise outputs instead of saving them;
+        # per-token timesteps: the fp32 modulation products are per token (+32·D, eager or compiled)
+        "none": (18 * b * D if compiled else (52 + 9 * b) * D) + 2 * F * b + 32 * D * per_token_timesteps,
         "selective": (9.3 * D + F) * b,
         "attention": 3 * D * b,  # self/cross attention outputs and the block input
         "full": D * b,
@@ -328,6 +333,7 @@ def _activation_bytes(
     F: int,
     b: int,
     compiled: bool = False,
+    per_token_timesteps: bool = False,
     activation_budget_bytes: float = 0.0,
 ) -> tuple[float, str]:
     """Training activations of one expert's forward over ``tokens`` (micro batch x CFG x T), and a note.
@@ -336,7 +342,8 @@ def _activation_bytes(
     mode = cfg.model.activation_checkpointing
     if isinstance(mode, bool):  # older configs: a switch for full checkpointing
         mode = "full" if mode else "none"
-    per_block = {k: v * tokens for k, v in _block_bytes_per_token(D, F, b, compiled).items()}
+    per_block = _block_bytes_per_token(D, F, b, compiled, per_token_timesteps)
+    per_block = {k: v * tokens for k, v in per_block.items()}
     if mode == "budget":
         from miles.parallel.checkpointing import plan_modes
 
@@ -400,7 +407,9 @@ def dry_run(
     sp_plan = _sp_plan_report(cfg, dims, model, device_type)
     sequence, shape = _sequence_report(cfg, dims, model, warnings)
     params, sizes = _param_report(cfg, model)
-    memory, ac_note = _memory_report(cfg, dims, sizes, shape, tcfg.num_layers, device_type)
+    memory, ac_note = _memory_report(
+        cfg, dims, sizes, shape, tcfg.num_layers, device_type, per_token_timesteps=model.expand_timesteps
+    )
     report = {
         "world_size": world_size,
         "world_size_source": world_source,
@@ -613,7 +622,13 @@ def _param_report(cfg: Config, model) -> tuple[dict, ModelSizes]:
 
 
 def _memory_report(
-    cfg: Config, dims: ParallelDims, sizes: ModelSizes, shape, num_layers: int, device_type: str
+    cfg: Config,
+    dims: ParallelDims,
+    sizes: ModelSizes,
+    shape,
+    num_layers: int,
+    device_type: str,
+    per_token_timesteps: bool = False,
 ) -> tuple[dict[str, float], str]:
     """Memory per rank from the trainer's own terms (``miles/parallel/memory_budget.py``) and the
     activation checkpointing plan, with its note."""
@@ -633,6 +648,7 @@ def _memory_report(
         F=sizes.ffn_dim,
         b=DTYPES[cfg.model.dtype].itemsize,
         compiled=compiled,
+        per_token_timesteps=per_token_timesteps,
         activation_budget_bytes=left,
     )
     ac_note += ", compiled" if compiled else ", eager"

@@ -364,6 +364,7 @@ class Trainer:
                 batch=2 * self.cfg.train.micro_batch_size,  # CFG doubles the batch
                 dtype=self.compute_dtype or torch.float32,
                 compiled=self.compile_blocks,
+                per_token_timesteps=self.model.expand_timesteps,
             )
         modes = checkpoint_modes("budget", n, left, block_bytes)
         print0(

@@ -62,3 +62,38 @@ def test_budget_planner():
         checkpoint_modes("half", 2)
     with pytest.raises(ValueError, match="budget is spent"):
         checkpoint_modes("budget", 2, -1.0, costs)
+
+
+@pytest.mark.parametrize("per_token", [False, True], ids=["one-timestep", "expand-timesteps"])
+def test_calibration_inputs_have_the_shapes_the_model_passes_its_blocks(per_token):
+    """The block calibration feeds block 0 what the stock forward feeds it: with per-token
+    timesteps (Wan2.2 TI2V) the modulation input is (B, S, 6, D), not (B, 6, D)."""
+    import miles.parallel.checkpointing as checkpointing
+    from miles.models.wan import calibrate_block_memory
+
+    torch.manual_seed(0)
+    model = WanTransformer3DModel(**TINY)
+    x, ctx = torch.randn(2, 4, 2, 8, 8), torch.randn(2, 5, 16)
+    tokens = 2 * 4 * 4
+    t = torch.full((2, tokens) if per_token else (2,), 500.0)
+    seen = {}
+
+    def shapes(args):
+        hidden, _context, temb, rope = args
+        return hidden.shape, temb.shape, temb.dtype, tuple(r.shape for r in rope)
+
+    hook = model.blocks[0].register_forward_pre_hook(lambda m, args: seen.update(stock=shapes(args)))
+    model(x, t, ctx, return_dict=False)
+    hook.remove()
+
+    def measure(block, make_inputs, device, compiled=False):
+        seen["calibration"] = shapes(make_inputs())
+        return {m: 0.0 for m in checkpointing.MODES}
+
+    saved = checkpointing.measure_block_memory
+    checkpointing.measure_block_memory = measure
+    try:
+        calibrate_block_memory(model, tokens, torch.device("cpu"), batch=2, per_token_timesteps=per_token)
+    finally:
+        checkpointing.measure_block_memory = saved
+    assert seen["calibration"] == seen["stock"]

@@ -430,3 +430,40 @@ def test_hsdp_divides_the_sharded_state_by_the_shard_group():
         assert hsdp["memory_gib"][key] == pytest.approx(plain["memory_gib"][key]), key
     with pytest.raises(DryRunError, match="do not hold whole sequence-parallel groups"):
         _plan([*TINY, "--world-size", "8", "--sequence-parallel-size", "4", "--parallel.replicate-size", "4"])
+
+
+def test_per_token_timesteps_term_is_what_a_block_saves():
+    """The dry run's per-token-timestep term (Wan2.2 TI2V) against the storages autograd saves
+    in a real Wan block, fed one timestep per sample and then one per token (bf16 compute)."""
+    from diffusers import WanTransformer3DModel
+
+    from miles.train.dry_run import _block_bytes_per_token
+
+    torch.manual_seed(0)
+    D, F, B, T = 256, 768, 2, 256
+    model = WanTransformer3DModel(num_attention_heads=2, attention_head_dim=128, ffn_dim=F, num_layers=1)
+    block = model.blocks[0].to(torch.bfloat16).train()
+    x = torch.randn(B, T, D, dtype=torch.bfloat16, requires_grad=True)
+    context, rope = torch.randn(B, 512, D, dtype=torch.bfloat16), torch.randn(1, T, 1, 128)
+
+    def saved(temb):
+        storages = {}
+
+        def pack(t):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            block(x, context, temb, (rope, rope))
+        for given in (x, context, temb, rope):
+            storages.pop(given.untyped_storage().data_ptr(), None)
+        return sum(storages.values())
+
+    measured = (saved(torch.randn(B, T, 6, D)) - saved(torch.randn(B, 6, D))) / (B * T)
+    formula = [
+        _block_bytes_per_token(D, F, 2, compiled=c, per_token_timesteps=p)["none"]
+        for c in (0, 1)
+        for p in (0, 1)
+    ]
+    assert formula[1] - formula[0] == formula[3] - formula[2]  # eager and compiled alike
+    assert abs(measured - (formula[1] - formula[0])) <= 0.05 * measured, (measured / D, formula)
