@@ -291,6 +291,19 @@ def sample_with_logprob(
     return run.finish()
 
 
+def _chosen_sde_steps(sde_steps, num_steps: int, noise_level: float, window: tuple, generator) -> list[int]:
+    """The caller's SDE steps (checked), else a window drawn from ``window`` = (size, start range,
+    timestep fraction), else none (the ODE: noise level 0)."""
+    if sde_steps is not None:
+        steps = sorted(int(i) for i in sde_steps)
+        if steps and (noise_level <= 0 or steps[0] < 0 or steps[-1] >= num_steps - 1):
+            raise ValueError(f"sde_steps {steps} must lie in [0, {num_steps - 1}) with noise_level > 0")
+        return steps
+    if noise_level > 0:
+        return sde_step_indices(num_steps, *window, generator)
+    return []
+
+
 def begin_sampling(
     prompt_embeds: Tensor,
     negative_embeds: Tensor | None,
@@ -342,16 +355,8 @@ def begin_sampling(
     device = torch.device(device) if device is not None else prompt_embeds.device
     sigmas = flow_sigmas(num_steps, shift).to(device)
 
-    if sde_steps is not None:
-        steps = sorted(int(i) for i in sde_steps)
-        if steps and (noise_level <= 0 or steps[0] < 0 or steps[-1] >= num_steps - 1):
-            raise ValueError(f"sde_steps {steps} must lie in [0, {num_steps - 1}) with noise_level > 0")
-    elif noise_level > 0:
-        steps = sde_step_indices(
-            num_steps, sde_window_size, sde_window_start_range, timestep_fraction, generator
-        )
-    else:
-        steps = []
+    window = (sde_window_size, sde_window_start_range, timestep_fraction)
+    steps = _chosen_sde_steps(sde_steps, num_steps, noise_level, window, generator)
     if latents is None:
         if same_noise_per_group and group_size is None:
             raise ValueError("same_noise_per_group needs group_size")

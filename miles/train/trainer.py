@@ -510,16 +510,7 @@ class Trainer:
         # The SDE steps are the same on every rank (so expert routing and FSDP's collectives match).
         sde_steps = self.algorithm.sde_steps(r.num_steps, self._generator(1, self.rollout_index))
         latent_shape = self.model.latent_shape(r.num_frames, r.height, r.width)
-        # Keyed by global sample index, so dp4, dp2 x sp2 and sp4 draw the same videos; sp peers
-        # share dp_rank and so share samples.
-        init_keys = group_list if r.same_noise_per_group else sample_ids
-        init_noise = torch.stack(
-            [
-                torch.randn(latent_shape, generator=self._generator(2, self.rollout_index, k))
-                for k in init_keys
-            ]
-        )
-        sde_gens = [self._generator(3, self.rollout_index, k) for k in sample_ids]
+        init_noise, sde_gens = self._rollout_noise(group_list, sample_ids, latent_shape)
         dtype = DTYPES[cfg.model.dtype]
         # Each unique prompt is encoded once (CPU rows; the negative once per run), then the
         # micro-batches are sampled in fixed slices, so a sample's numbers do not depend on the
@@ -574,6 +565,19 @@ class Trainer:
             "chunks": chunks,
             "sde_steps": sde_steps,
         }
+
+    def _rollout_noise(self, group_list: list[int], sample_ids: list[int], latent_shape) -> tuple:
+        """Each sample's initial noise and SDE generator, keyed by its global index (its group's with
+        ``rollout.same_noise_per_group``), so dp4, dp2 x sp2 and sp4 draw the same videos; sp peers
+        share dp_rank and so share samples."""
+        init_keys = group_list if self.cfg.rollout.same_noise_per_group else sample_ids
+        init_noise = torch.stack(
+            [
+                torch.randn(latent_shape, generator=self._generator(2, self.rollout_index, k))
+                for k in init_keys
+            ]
+        )
+        return init_noise, [self._generator(3, self.rollout_index, k) for k in sample_ids]
 
     @torch.no_grad()
     def _sample_expert_at_a_time(self, runs: list) -> None:
