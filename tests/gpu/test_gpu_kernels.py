@@ -47,10 +47,12 @@ def test_ring_kernel_matches_sdpa_bf16(nccl_world, backend):
         assert rel(a.grad.transpose(1, 2), r.grad) < 8e-3
 
 
+@pytest.mark.parametrize("per_token", [False, True], ids=["one-timestep", "per-token-timesteps"])
 @pytest.mark.parametrize("mode", ["none", "selective", "full"])
-def test_block_calibration_predicts_a_chain_of_blocks(mode):
+def test_block_calibration_predicts_a_chain_of_blocks(mode, per_token):
     """What ``measure_block_memory`` says one block keeps, times the number of blocks, is what a
-    chain of blocks keeps after its forward (each block's output is the next one's saved input)."""
+    chain of blocks keeps after its forward (each block's output is the next one's saved input);
+    also with Wan2.2 TI2V's per-token modulation input (B, S, 6, D), shared by the chain's blocks."""
     import copy
 
     from diffusers import WanTransformer3DModel
@@ -70,7 +72,8 @@ def test_block_calibration_predicts_a_chain_of_blocks(mode):
 
         rope = r(1, tokens, 1, 128, dt=torch.float32)
         hidden = r(batch, tokens, dim).requires_grad_()
-        return hidden, r(batch, 512, dim), r(batch, 6, dim, dt=torch.float32), (rope, rope)
+        temb = r(*((batch, tokens, 6, dim) if per_token else (batch, 6, dim)), dt=torch.float32)
+        return hidden, r(batch, 512, dim), temb, (rope, rope)
 
     per_block = measure_block_memory(block, make_inputs, device)[mode]
     chain = [wrap_block(copy.deepcopy(block), mode) for _ in range(n)]
@@ -83,3 +86,38 @@ def test_block_calibration_predicts_a_chain_of_blocks(mode):
     torch.cuda.synchronize()
     kept = torch.cuda.memory_allocated(device) - before
     assert abs(kept - n * per_block) <= 0.1 * n * per_block, (mode, kept, n * per_block)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_per_token_timesteps_cost_what_the_dry_run_says(compiled):
+    """Per-token timesteps (Wan2.2 TI2V) make a block keep 32·D bytes a token more for backward
+    (``miles.train.dry_run._block_bytes_per_token``; measured on CPU by saved-tensor accounting):
+    the CUDA calibration, eager and compiled as training runs blocks, agrees within 15%."""
+    from diffusers import WanTransformer3DModel
+
+    from miles.parallel.checkpointing import measure_block_memory
+    from miles.train.dry_run import _block_bytes_per_token
+
+    device, dtype, batch, tokens, dim = torch.device("cuda"), torch.bfloat16, 2, 4096, 512
+    model = WanTransformer3DModel(
+        num_attention_heads=4, attention_head_dim=128, ffn_dim=1536, num_layers=1, text_dim=512
+    )
+    block = model.blocks[0].to(device=device, dtype=dtype).train()
+
+    def none_bytes(per_token):
+        def make_inputs():
+            temb_shape = (batch, tokens, 6, dim) if per_token else (batch, 6, dim)
+            rope = torch.randn(1, tokens, 1, 128, device=device)
+            return (
+                torch.randn(batch, tokens, dim, device=device, dtype=dtype, requires_grad=True),
+                torch.randn(batch, 512, dim, device=device, dtype=dtype),
+                torch.randn(temb_shape, device=device),
+                (rope, rope),
+            )
+
+        return measure_block_memory(block, make_inputs, device, compiled=compiled)["none"]
+
+    measured = (none_bytes(True) - none_bytes(False)) / (batch * tokens)
+    formula = [_block_bytes_per_token(dim, 1536, 2, compiled, p)["none"] for p in (False, True)]
+    expected = formula[1] - formula[0]
+    assert abs(measured - expected) <= 0.15 * expected, (measured / dim, expected / dim)
