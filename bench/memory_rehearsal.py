@@ -8,9 +8,9 @@ Each case runs in its own process as rank 0 of a fake process group of the case'
 (``bench/fake_rank.py``: collectives move nothing; tensors, shapes and allocations are real),
 with random weights at the real configs (``bench/real_configs.py`` writes config-only folders;
 ``model.init: random``). ``miles.train.trainer.Trainer`` runs unchanged — load, shard, one rollout
-(one prompt group of 2 samples, one micro-batch each), decode, reward, two optimizer steps (one
-sample each: AdamW allocates its moments after the first step's peak, so the second step's peak
-is the steady state a long run sees), checkpoint, export — with probes around its phases (``bench/probes.py``): wall time, peak GPU
+(one prompt group of 2 samples, one micro-batch each), decode, reward, one optimizer step, and
+again (AdamW allocates its moments after the first step's peak: only the second rollout and step
+see the steady state of a long run), checkpoint, export — with probes around its phases (``bench/probes.py``): wall time, peak GPU
 memory (``max_memory_allocated`` / ``max_memory_reserved``) and host RSS. Beside each phase: the
 dry run's estimate (``miles/train/dry_run.py``) for the same config and world, and the ratio.
 
@@ -98,8 +98,9 @@ def build_config(
     case: Case, model_path: Path, work: Path, name: str, num_steps: int | None = None, export: bool = True
 ):
     """The recipe with the rehearsal's settings: config-only model with random weights, one rollout of
-    one prompt group (2 samples, micro-batch 1), two optimizer steps (the second holds AdamW's
-    moments, which the first allocates after its peak), checkpoint and export; no eval,
+    one prompt group (2 samples, micro-batch 1) and one optimizer step, twice (the second rollout
+    and step hold AdamW's moments, which the first step allocates after its peak), checkpoint and
+    export; no eval,
     no videos, no wandb; the jpeg reward (no reward weights to load)."""
     from miles.config import parse_args
 
@@ -112,8 +113,8 @@ def build_config(
         "data.prompts_per_rank": 1,
         "data.group_size": 2,
         "train.micro_batch_size": 1,
-        "train.num_rollouts": 1,
-        "train.steps_per_rollout": 2,  # the steady state: the second step's peak has the moments
+        "train.num_rollouts": 2,  # the steady state: the second rollout and step have the moments
+        "train.steps_per_rollout": 1,
         "train.checkpoint_every": 0,
         "train.resume": False,
         "train.overwrite": True,
@@ -140,15 +141,20 @@ def build_config(
 
 PHASES = ("load", "shard", "init", "rollout", "decode+reward", "train", "checkpoint", "export")
 # The dry run's estimate each measured phase is held against (GiB per rank).
-ESTIMATE_OF = {"rollout": "rollout_peak", "train": "train_peak"}
+# The dry run's rollout peak covers sampling and the VAE decode (max of the two): both phases.
+ESTIMATE_OF = {
+    "rollout + decode": (("rollout", "decode+reward"), "rollout_peak"),
+    "train": (("train",), "train_peak"),
+}
 
 
 def compare(phases: list[dict], memory_gib: dict) -> list[dict]:
-    """Measured peak allocated GPU memory of the rollout, the train step and the whole run against
-    the dry run's ``rollout_peak``, ``train_peak`` and their max; ratio = measured / estimate."""
+    """Measured peak allocated GPU memory of the rollout with its decode, the train step and the
+    whole run against the dry run's ``rollout_peak``, ``train_peak`` and their max (each the
+    largest over the phase's calls); ratio = measured / estimate."""
     rows = []
     whole = max([p.get("gpu_peak_allocated_gib") or 0.0 for p in phases], default=0.0)
-    for phase, key in [*ESTIMATE_OF.items(), ("whole run", None)]:
+    for phase, (names, key) in [*ESTIMATE_OF.items(), ("whole run", ((), None))]:
         if key is None:
             measured = whole if any("gpu_peak_allocated_gib" in p for p in phases) else None
             estimate = max(memory_gib["rollout_peak"], memory_gib["train_peak"])
@@ -156,7 +162,7 @@ def compare(phases: list[dict], memory_gib: dict) -> list[dict]:
             values = [
                 p["gpu_peak_allocated_gib"]
                 for p in phases
-                if p["phase"] == phase and "gpu_peak_allocated_gib" in p
+                if p["phase"] in names and "gpu_peak_allocated_gib" in p
             ]
             measured = max(values) if values else None
             estimate = memory_gib[key]
@@ -239,6 +245,7 @@ def run_case(
         "shape": [cfg.rollout.num_frames, cfg.rollout.height, cfg.rollout.width],
         "tokens_per_sample": trainer.num_tokens,
         "optimizer_steps": trainer.step,
+        "rollouts": trainer.rollout_index,
         "lora_rank": cfg.model.lora_rank,
         "kl_beta": cfg.grpo.kl_beta,
         "activation_memory_budget_gib": cfg.model.activation_memory_budget_gib,
@@ -265,9 +272,12 @@ def case_markdown(r: dict) -> str:
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     order = {p: i for i, p in enumerate(PHASES)}
+    calls: dict[str, int] = {}
     for p in sorted(r["phases"], key=lambda p: order.get(p["phase"], 99)):
+        calls[p["phase"]] = calls.get(p["phase"], 0) + 1
+        name = p["phase"] + (f" ({calls[p['phase']]})" if calls[p["phase"]] > 1 else "")
         lines.append(
-            f"| {p['phase']} | {p['wall_s']:.1f} | {_fmt(p.get('gpu_peak_allocated_gib'))} | "
+            f"| {name} | {p['wall_s']:.1f} | {_fmt(p.get('gpu_peak_allocated_gib'))} | "
             f"{_fmt(p.get('gpu_peak_reserved_gib'))} | {_fmt(p.get('gpu_allocated_end_gib'))} | "
             f"{p['host_rss_gib']:.1f} | {p['host_rss_peak_gib']:.1f} |"
         )

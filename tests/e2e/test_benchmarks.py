@@ -85,8 +85,9 @@ def test_rehearsal_runs_the_trainers_whole_path(rehearsal):
             p["wall_s"] >= 0 and p["host_rss_gib"] > 0 and p["host_rss_peak_gib"] >= p["host_rss_gib"] * 0.99
         )
     assert (r["world_size"], r["dp"], r["sp"], r["ulysses"], r["ring"]) == (4, 2, 2, 2, 1)
-    # two optimizer steps: the second one's peak holds the AdamW moments the first allocates
-    assert r["optimizer_steps"] == 2
+    # two rollouts of one step each: the second's peaks hold the AdamW moments the first allocates
+    assert r["optimizer_steps"] == 2 and r["rollouts"] == 2
+    assert [p["phase"] for p in r["phases"]].count("train") == 2
     run = out / "work" / "runs" / "tiny"
     assert (run / "checkpoints" / "step_000002").is_dir()
     assert (run / "export" / "pipeline" / "model_index.json").is_file()
@@ -99,11 +100,11 @@ def test_rehearsal_compares_with_the_dry_run(rehearsal):
     from miles.train.dry_run import dry_run
 
     cfg = build_config(CASES["tiny"], out / "work" / "models" / "tiny", out / "work", "tiny")
-    assert cfg.model.init == "random" and cfg.train.num_rollouts == 1 and cfg.grpo.kl_beta > 0
+    assert cfg.model.init == "random" and cfg.train.num_rollouts == 2 and cfg.grpo.kl_beta > 0
     mem = dry_run(cfg, world_size=4, local_world_size=4, device_type="cpu", verbose=False)["memory_gib"]
     assert mem == r["dry_run_memory_gib"]  # the same config's dry run
     rows = {c["phase"]: c for c in r["comparison"]}
-    assert rows["rollout"]["estimate_gib"] == mem["rollout_peak"]
+    assert rows["rollout + decode"]["estimate_gib"] == mem["rollout_peak"]
     assert rows["train"]["estimate_gib"] == mem["train_peak"]
     assert rows["whole run"]["estimate_gib"] == max(mem["rollout_peak"], mem["train_peak"])
     assert all(c["measured_gib"] is None and c["ratio"] is None for c in r["comparison"])  # no GPU here
@@ -114,12 +115,16 @@ def test_compare_ratio_is_measured_over_estimate():
 
     phases = [
         {"phase": "rollout", "gpu_peak_allocated_gib": 30.0},
+        {"phase": "decode+reward", "gpu_peak_allocated_gib": 35.0},  # the dry run's rollout peak covers it
+        {"phase": "rollout", "gpu_peak_allocated_gib": 33.0},
         {"phase": "train", "gpu_peak_allocated_gib": 60.0},
         {"phase": "train", "gpu_peak_allocated_gib": 66.0},
         {"phase": "export", "gpu_peak_allocated_gib": 70.0},
     ]
     rows = {c["phase"]: c for c in compare(phases, {"rollout_peak": 40.0, "train_peak": 60.0})}
-    assert rows["rollout"]["ratio"] == 30.0 / 40.0
+    assert (
+        rows["rollout + decode"]["measured_gib"] == 35.0 and rows["rollout + decode"]["ratio"] == 35.0 / 40.0
+    )
     assert rows["train"]["measured_gib"] == 66.0 and rows["train"]["ratio"] == 66.0 / 60.0
     assert rows["whole run"]["measured_gib"] == 70.0 and rows["whole run"]["ratio"] == 70.0 / 60.0
 
