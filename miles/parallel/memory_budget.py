@@ -30,12 +30,14 @@ micro batch x 2 with CFG, T = tokens per sp rank, D / F = hidden / FFN size.
     gathered_rollout max expert·c                  ONE expert unsharded at a time (rollout_unsharded;
                                                    else as gathered_train)
     rollout_workspace B·T·(16·D + 2·F)·c           one block's no-grad working set (rough)
-    decode_workspace  m·(2·3·f·h·w·4 + 6·4·base·h'·w'·v)   one micro-batch of m videos decoded: the fp32
-                                                   video and its concatenation, plus ~6 live full-
-                                                   resolution tensors of the last decoder stage (4
-                                                   frames a latent frame, ``base_dim`` channels, VAE
-                                                   dtype v); h'·w' = one 256² tile with vae_tiling.
-                                                   Frames leave the GPU as uint8: no fp32 video stays.
+    decode_workspace  m·(2·3·f·h·w·4 + k·d·h'·w'·v)   one micro-batch of m videos decoded: the fp32
+                                                   video and its concatenation, plus the decoder's
+                                                   working set (its causal caches and last stages:
+                                                   k = 51 bytes a pixel per decoder channel of the
+                                                   Wan2.1 VAE, 21.4 for the Wan2.2 VAE, whose last
+                                                   stages run at half resolution; d = the decoder's
+                                                   base dim, VAE dtype v); h'·w' = one 256² tile
+                                                   with vae_tiling. Frames leave the GPU as uint8.
     slack            5 % of the budget             allocator fragmentation, kernel workspaces,
                                                    communication buffers
 
@@ -72,7 +74,12 @@ __all__ = [
 GIB = 2**30
 ALLOCATOR_SLACK = 0.05  # of the budget: fragmentation, kernel workspaces, communication buffers
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 2}  # text encoder auto: bf16 on CUDA
-_VAE_LIVE_TENSORS = 6  # full-resolution tensors alive at once in the last decoder stage (rough)
+# The VAE decoder's peak working set in bytes per output pixel, per channel of its base width and per
+# byte of its dtype: the live storages through AutoencoderKLWan.decode, tracked on CPU at two widths
+# of each family (tests/unit/test_resident_memory.py measures it again). The Wan2.2 VAE (residual,
+# patch 2) runs its last stages at half resolution. Against the GPU rehearsal (81 frames): the Wan2.1
+# VAE at 480x832 kept 8.76 GiB, this says 8.0; the Wan2.2 VAE at 704x1280 20.6, this says 20.0.
+_VAE_DECODER_BYTES = {"wan2.1": 51.0, "wan2.2": 21.4}
 _VAE_TILE = 256  # diffusers' AutoencoderKLWan tile_sample_min_height/width
 
 
@@ -93,7 +100,8 @@ class ModelSizes:
     text_dim: int
     text_encoder_params: int = 0
     vae_params: int = 0
-    vae_base_dim: int = 96
+    vae_base_dim: int = 96  # the decoder's base width (decoder_base_dim, else base_dim)
+    vae_family: str = "wan2.1"  # "wan2.2": the residual, patchified VAE of Wan2.2 (TI2V-5B)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -214,7 +222,7 @@ class ResidentMemory:
             * (16 * sizes.hidden_size + 2 * sizes.ffn_dim)
             * c,
             decode_workspace=_decode_bytes(
-                shape, sizes.vae_base_dim, _DTYPE_BYTES[m.vae_dtype], m.vae_tiling
+                shape, sizes.vae_base_dim, sizes.vae_family, _DTYPE_BYTES[m.vae_dtype], m.vae_tiling
             ),
         )
 
@@ -226,15 +234,29 @@ def _buffer_bytes(shape: RolloutShape, text_dim: int, c: int) -> float:
     return latents + 2 * shape.samples_per_rank * shape.text_tokens * text_dim * c
 
 
-def _decode_bytes(shape: RolloutShape, base_dim: int, v: int, tiling: bool) -> float:
-    """One micro-batch decoded: its fp32 videos (and their concatenation) plus the last decoder
-    stage's full-resolution tensors for one latent frame (4 output frames)."""
+def vae_widths(vae_config) -> tuple[int, str]:
+    """The decoder's base width and the VAE family (``_VAE_DECODER_BYTES``) of an AutoencoderKLWan config."""
+    base = int(getattr(vae_config, "decoder_base_dim", None) or getattr(vae_config, "base_dim", 96) or 96)
+    return base, "wan2.2" if getattr(vae_config, "is_residual", False) else "wan2.1"
+
+
+def _decode_bytes(shape: RolloutShape, base_dim: int, family: str, v: int, tiling: bool) -> float:
+    """One micro-batch decoded: its fp32 videos (and their concatenation) plus the decoder's working
+    set (``_VAE_DECODER_BYTES``), over one tile with tiling."""
     h, w = shape.height, shape.width
     if tiling:
         h, w = min(h, _VAE_TILE), min(w, _VAE_TILE)
     video = 2 * 3 * shape.num_frames * shape.height * shape.width * 4
-    stage = _VAE_LIVE_TENSORS * 4 * base_dim * h * w * v
+    stage = _VAE_DECODER_BYTES[family] * base_dim * h * w * v
     return shape.micro_batch * (video + stage)
+
+
+def vae_fields(vae) -> dict:
+    """ModelSizes' VAE decoder fields of a loaded (or meta) AutoencoderKLWan."""
+    if getattr(vae, "config", None) is None:
+        return {}
+    base, family = vae_widths(vae.config)
+    return {"vae_base_dim": base, "vae_family": family}
 
 
 def _largest_terms(resident: ResidentMemory, n: int = 4) -> str:
@@ -295,7 +317,7 @@ def model_sizes(transformers, text_encoder=None, vae=None) -> ModelSizes:
         text_dim=tcfg.text_dim,
         text_encoder_params=_numel(text_encoder),
         vae_params=_numel(vae),
-        vae_base_dim=int(getattr(getattr(vae, "config", None), "base_dim", 96) or 96),
+        **vae_fields(vae),
     )
 
 

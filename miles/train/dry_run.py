@@ -91,6 +91,7 @@ from miles.parallel.memory_budget import (
     activation_budget,
     count_sde_steps,
     rollout_shape,
+    vae_fields,
 )
 from miles.parallel.memory_budget import cfg_factor as guidance_factor
 from miles.parallel.topology import ParallelDims, valid_ulysses_degrees
@@ -606,7 +607,7 @@ def _param_report(cfg: Config, model) -> tuple[dict, ModelSizes]:
         text_dim=tcfg.text_dim,
         text_encoder_params=_numel(model.pipeline.text_encoder),
         vae_params=_numel(model.pipeline.vae),
-        vae_base_dim=int(getattr(model.pipeline.vae.config, "base_dim", 96) or 96),
+        **vae_fields(model.pipeline.vae),
     )
     return {
         "per_expert": per_expert,

@@ -291,7 +291,7 @@ def test_real_wan21_shape_from_configs_only(tmp_path):
     acts = {}
     for mode in ("none", "selective", "full", "budget"):
         rep_mode = _plan(
-            [*argv, "--model.activation-checkpointing", mode, "--model.activation-memory-budget-gib", "20"]
+            [*argv, "--model.activation-checkpointing", mode, "--model.activation-memory-budget-gib", "30"]
         )
         acts[mode] = rep_mode["memory_gib"]["activations"]
     assert acts["none"] > acts["selective"] > acts["full"]
@@ -299,7 +299,7 @@ def test_real_wan21_shape_from_configs_only(tmp_path):
     eager = _plan([*argv, "--model.activation-checkpointing", "none", "--model.compile", "off"])["memory_gib"]
     D, F = 1536, 8960
     assert acts["none"] / eager["activations"] == pytest.approx((36 * D + 4 * F) / (70 * D + 4 * F))
-    assert acts["full"] < acts["budget"] <= 20 + acts["none"] / 30  # + one block recomputing
+    assert acts["full"] < acts["budget"] <= 30 + acts["none"] / 30  # + one block recomputing
     # The budget is the per-rank total: one the rollout alone cannot meet is refused, as the trainer would.
     with pytest.raises(DryRunError, match="memory budget .estimated.: the rollout alone needs"):
         _plan(
