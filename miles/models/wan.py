@@ -297,8 +297,8 @@ def calibrate_block_memory(
     ``batch`` x ``tokens`` (training's CFG batch of 2 by default) on a bf16 copy of block 0,
     compiled or eager as training will run it. ``per_token_timesteps`` (Wan2.2 TI2V's
     ``expand_timesteps``): the block's modulation input is per token, (batch, tokens, 6, D) in fp32,
-    as the model passes it; its fp32 shift/scale/gate products are per token too (eager: 32·D bytes
-    a token more than with one timestep per sample)."""
+    as the model passes it; its fp32 shift/scale/gate products are per token too (32·D bytes a
+    token more than with one timestep per sample, eager or compiled, on CPU)."""
     import copy
 
     from miles.parallel.checkpointing import measure_block_memory

@@ -69,6 +69,8 @@ __all__ = [
     "count_sde_steps",
     "model_sizes",
     "rollout_shape",
+    "vae_fields",
+    "vae_widths",
 ]
 
 GIB = 2**30
