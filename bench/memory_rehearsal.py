@@ -10,9 +10,9 @@ with random weights at the real configs (``bench/real_configs.py`` writes config
 ``model.init: random``). ``miles.train.trainer.Trainer`` runs unchanged — load, shard, one rollout
 (one prompt group of 2 samples, one micro-batch each), decode, reward, one optimizer step, and
 again (AdamW allocates its moments after the first step's peak: only the second rollout and step
-see the steady state of a long run), checkpoint, export — with probes around its phases (``bench/probes.py``): wall time, peak GPU
-memory (``max_memory_allocated`` / ``max_memory_reserved``) and host RSS. Beside each phase: the
-dry run's estimate (``miles/train/dry_run.py``) for the same config and world, and the ratio.
+see the steady state of a long run), checkpoint, export — with probes around its phases
+(``bench/probes.py``): wall time, peak GPU memory (``max_memory_allocated`` /
+``max_memory_reserved``) and host RSS. Beside each phase: the dry run's estimate (``miles/train/dry_run.py``) for the same config and world, and the ratio.
 
 Rank 0 is the rank rehearsed: it does everything the others do, plus the export's gather and
 writing. Cases (the recipes' shapes; ``--num-steps`` shortens the rollout, which changes time,
@@ -100,8 +100,7 @@ def build_config(
     """The recipe with the rehearsal's settings: config-only model with random weights, one rollout of
     one prompt group (2 samples, micro-batch 1) and one optimizer step, twice (the second rollout
     and step hold AdamW's moments, which the first step allocates after its peak), checkpoint and
-    export; no eval,
-    no videos, no wandb; the jpeg reward (no reward weights to load)."""
+    export; no eval, no videos, no wandb; the jpeg reward (no reward weights to load)."""
     from miles.config import parse_args
 
     cfg, _ = parse_args(["--config", str(ROOT / case.recipe)])
