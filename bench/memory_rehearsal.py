@@ -12,7 +12,8 @@ with random weights at the real configs (``bench/real_configs.py`` writes config
 again (AdamW allocates its moments after the first step's peak: only the second rollout and step
 see the steady state of a long run), checkpoint, export — with probes around its phases
 (``bench/probes.py``): wall time, peak GPU memory (``max_memory_allocated`` /
-``max_memory_reserved``) and host RSS. Beside each phase: the dry run's estimate (``miles/train/dry_run.py``) for the same config and world, and the ratio.
+``max_memory_reserved``) and host RSS. Beside each phase: the dry run's estimate
+(``miles/train/dry_run.py``) for the same config and world, and the ratio.
 
 Rank 0 is the rank rehearsed: it does everything the others do, plus the export's gather and
 writing. Cases (the recipes' shapes; ``--num-steps`` shortens the rollout, which changes time,
