@@ -296,9 +296,11 @@ def calibrate_block_memory(
     """Activation bytes one Wan block keeps for backward in each checkpointing mode, measured at
     ``batch`` x ``tokens`` (training's CFG batch of 2 by default) on a bf16 copy of block 0,
     compiled or eager as training will run it. ``per_token_timesteps`` (Wan2.2 TI2V's
-    ``expand_timesteps``): the block's modulation input is per token, (batch, tokens, 6, D) in fp32,
-    as the model passes it; its fp32 shift/scale/gate products are per token too (32·D bytes a
-    token more than with one timestep per sample, eager or compiled, on CPU)."""
+    ``expand_timesteps``): the block's modulation input is per token, (batch, tokens, 6, D). The
+    modulation input comes in ``dtype``, as the model's condition embedder returns it (in the text
+    embeddings' dtype): an eager block keeps its fp32 shift/scale/gate products (32·D bytes a token
+    more than with one timestep per sample), a compiled one recomputes them in backward from that
+    input (fed an fp32 input instead, a compiled block kept them: the dtype matters)."""
     import copy
 
     from miles.parallel.checkpointing import measure_block_memory
@@ -321,7 +323,7 @@ def calibrate_block_memory(
         hidden = torch.randn(batch, tokens, dim, device=device, dtype=dtype, requires_grad=True)
         context = torch.randn(batch, 512, dim, device=device, dtype=dtype)
         temb_shape = (batch, tokens, 6, dim) if per_token_timesteps else (batch, 6, dim)
-        temb = torch.randn(temb_shape, device=device, dtype=torch.float32)
+        temb = torch.randn(temb_shape, device=device, dtype=dtype)
         rope = torch.randn(1, tokens, 1, cfg.attention_head_dim, device=device, dtype=torch.float32)
         return hidden, context, temb, (rope, rope)
 

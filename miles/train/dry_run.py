@@ -35,9 +35,10 @@ B = the micro batch ``train.micro_batch_size`` x 2 with CFG — cond and uncond 
 
   none       a = (52 + 9·b)·D + 2·F·b; compiled blocks (``model.compile``): a = 18·b·D + 2·F·b
              (measured on an H200 at the 1.3B and 5B shapes: 36.2·D + 4·F bytes a token in bf16,
-             eager 54·D + 4·F); + 32·D with per-token timesteps (Wan2.2 TI2V ``expand_timesteps``:
-             the fp32 shift/scale/gate products are per token; saved-tensor accounting, eager and
-             with Inductor's min-cut partitioner alike)
+             eager 54·D + 4·F); eager blocks keep 32·D more with per-token timesteps (Wan2.2 TI2V
+             ``expand_timesteps``: the fp32 shift/scale/gate products of the bf16 (B, S, 6, D)
+             modulation input are per token); compiled blocks recompute them from that input,
+             which the model holds once for all blocks (saved-tensor accounting of a whole model)
   selective  a = (9.3·D + F)·b     (+ one block's "none" while it recomputes)
   full       a = D·b               (the block input; + one block's "none")
   budget     per block, from those, as ``plan_modes`` would pick them
@@ -316,9 +317,9 @@ def _block_bytes_per_token(
 ) -> dict[str, float]:
     """Bytes one Wan block keeps for backward per token, per checkpointing mode (see the module docstring)."""
     return {
-        # compiled: Inductor recomputes the fp32 element-wise outputs instead of saving them;
-        # per-token timesteps: the fp32 modulation products are per token (+32·D, eager or compiled)
-        "none": (18 * b * D if compiled else (52 + 9 * b) * D) + 2 * F * b + 32 * D * per_token_timesteps,
+        # compiled: Inductor recomputes the fp32 element-wise outputs instead of saving them, the
+        # per-token modulation products (eager: +32·D) among them
+        "none": (18 * b * D if compiled else (52 + 9 * b + 32 * per_token_timesteps) * D) + 2 * F * b,
         "selective": (9.3 * D + F) * b,
         "attention": 3 * D * b,  # self/cross attention outputs and the block input
         "full": D * b,

@@ -72,7 +72,7 @@ def test_block_calibration_predicts_a_chain_of_blocks(mode, per_token):
 
         rope = r(1, tokens, 1, 128, dt=torch.float32)
         hidden = r(batch, tokens, dim).requires_grad_()
-        temb = r(*((batch, tokens, 6, dim) if per_token else (batch, 6, dim)), dt=torch.float32)
+        temb = r(*((batch, tokens, 6, dim) if per_token else (batch, 6, dim)))  # bf16, as the model's
         return hidden, r(batch, 512, dim), temb, (rope, rope)
 
     per_block = measure_block_memory(block, make_inputs, device)[mode]
@@ -90,9 +90,9 @@ def test_block_calibration_predicts_a_chain_of_blocks(mode, per_token):
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_per_token_timesteps_cost_what_the_dry_run_says(compiled):
-    """Per-token timesteps (Wan2.2 TI2V) make a block keep 32·D bytes a token more for backward
-    (``miles.train.dry_run._block_bytes_per_token``; measured on CPU by saved-tensor accounting):
-    the CUDA calibration, eager and compiled as training runs blocks, agrees within 15%."""
+    """Per-token timesteps (Wan2.2 TI2V) make an eager block keep 32·D bytes a token more for
+    backward and a compiled one nothing more (``miles.train.dry_run._block_bytes_per_token``;
+    measured on CPU by saved-tensor accounting): the CUDA calibration agrees within 15% of 32·D."""
     from diffusers import WanTransformer3DModel
 
     from miles.parallel.checkpointing import measure_block_memory
@@ -111,7 +111,7 @@ def test_per_token_timesteps_cost_what_the_dry_run_says(compiled):
             return (
                 torch.randn(batch, tokens, dim, device=device, dtype=dtype, requires_grad=True),
                 torch.randn(batch, 512, dim, device=device, dtype=dtype),
-                torch.randn(temb_shape, device=device),
+                torch.randn(temb_shape, device=device, dtype=dtype),  # as the model passes it
                 (rope, rope),
             )
 
@@ -120,4 +120,4 @@ def test_per_token_timesteps_cost_what_the_dry_run_says(compiled):
     measured = (none_bytes(True) - none_bytes(False)) / (batch * tokens)
     formula = [_block_bytes_per_token(dim, 1536, 2, compiled, p)["none"] for p in (False, True)]
     expected = formula[1] - formula[0]
-    assert abs(measured - expected) <= 0.15 * expected, (measured / dim, expected / dim)
+    assert abs(measured - expected) <= 0.15 * 32 * dim, (measured / dim, expected / dim)

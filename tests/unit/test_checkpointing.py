@@ -66,14 +66,15 @@ def test_budget_planner():
 
 @pytest.mark.parametrize("per_token", [False, True], ids=["one-timestep", "expand-timesteps"])
 def test_calibration_inputs_have_the_shapes_the_model_passes_its_blocks(per_token):
-    """The block calibration feeds block 0 what the stock forward feeds it: with per-token
-    timesteps (Wan2.2 TI2V) the modulation input is (B, S, 6, D), not (B, 6, D)."""
+    """The block calibration feeds block 0 what the stock forward feeds it in bf16 compute: with
+    per-token timesteps (Wan2.2 TI2V) the modulation input is (B, S, 6, D), not (B, 6, D), and in
+    bf16, not fp32 (a compiled block keeps per-token fp32 products of an fp32 input, not of bf16)."""
     import miles.parallel.checkpointing as checkpointing
     from miles.models.wan import calibrate_block_memory
 
     torch.manual_seed(0)
-    model = WanTransformer3DModel(**TINY)
-    x, ctx = torch.randn(2, 4, 2, 8, 8), torch.randn(2, 5, 16)
+    model = WanTransformer3DModel(**TINY).to(torch.bfloat16)
+    x, ctx = torch.randn(2, 4, 2, 8, 8, dtype=torch.bfloat16), torch.randn(2, 5, 16, dtype=torch.bfloat16)
     tokens = 2 * 4 * 4
     t = torch.full((2, tokens) if per_token else (2,), 500.0)
     seen = {}
