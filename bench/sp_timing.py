@@ -18,6 +18,10 @@ per layer = per step / num_layers. Ideal speed-up at sp is sp x; ``efficiency`` 
 ``model TFLOP/s``: one rank's share of the step's model FLOPs (``bench/gpu_bench.py``'s formula x 3
 for forward + backward, / sp) over its time; a row above the 782 TFLOP/s bf16 peak is flagged: it
 did less work than the real rank (on the H200, sp 4 under the fake group ran at an implied 1003).
+``grads vs eager``: after timing, one step from zero gradients, its per-parameter gradient norms
+against the uncompiled copy's (same weights and inputs): the largest relative difference, flagged
+above 0.1 (the compiled sp 4 step at 1.3B ran in 477 ms, an implied 889 TFLOP/s, while a profile
+showed its cuDNN attention backward kernels taking 1.2 ms against the eager step's 58 ms).
 Writes ``sp_timing.json`` and ``sp_timing.md`` to ``--out``.
 """
 
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -34,6 +39,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 TEXT_TOKENS = 512
+GRAD_TOLERANCE = 0.1  # rounding separates a compiled bf16 step from an eager one; a kernel that skips work, far more
 PEAK_TFLOPS = 782.0  # bf16 dense, H200 (DESIGN.md): a row above it did not do the real work
 
 
@@ -131,6 +137,28 @@ def latent_of(model: str, shape: tuple[int, int, int]) -> tuple[int, int, int, i
     return (spec["transformer"]["in_channels"], (frames - 1) // t + 1, height // s, width // s)
 
 
+def grad_norms(model) -> dict[str, float]:
+    """Norm of every parameter's gradient (this rank's shard, fp32)."""
+    norms = {}
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            norms[name] = g.float().norm().item()
+    return norms
+
+
+def compare_grads(ref: dict[str, float], got: dict[str, float]) -> dict:
+    """The largest relative difference of per-parameter gradient norms (NaN if any is not finite)."""
+    worst, where = 0.0, None
+    for name in sorted(ref.keys() & got.keys()):
+        diff = abs(got[name] - ref[name]) / max(abs(ref[name]), 1e-30)
+        if math.isnan(diff) or diff > worst:
+            worst, where = diff, name
+            if math.isnan(diff):
+                break
+    return {"max_rel_diff": worst, "param": where, "missing": sorted(ref.keys() ^ got.keys())}
+
+
 def run_layout(args, sp: int, ulysses: int) -> dict:
     """One layout in this process (fake world of sp ranks)."""
     import torch
@@ -147,6 +175,7 @@ def run_layout(args, sp: int, ulysses: int) -> dict:
         counted, dims = build(args.model, sp, ulysses, device, False, args.checkpointing)
         with count_collectives() as counter:
             make_step(counted, latent, args.batch, device)()
+        eager_grads = grad_norms(counted)
         num_layers = len(counted.blocks)
         sizes = {"ulysses": dims.ulysses, "ring": dims.ring, "sp_boundary": dims.sp, "fsdp": sp, "other": sp}
         collectives = summarize(counter, sizes, num_layers)
@@ -156,7 +185,11 @@ def run_layout(args, sp: int, ulysses: int) -> dict:
             torch.cuda.reset_peak_memory_stats()
         compile_blocks = resolve_compile(args.compile, device)
         transformer, _ = build(args.model, sp, ulysses, device, compile_blocks, args.checkpointing)
-        times = timed_ms(make_step(transformer, latent, args.batch, device), args.warmup, args.iters, device)
+        step = make_step(transformer, latent, args.batch, device)
+        times = timed_ms(step, args.warmup, args.iters, device)
+        transformer.zero_grad(set_to_none=True)
+        step()  # one step from zero gradients, against the uncompiled copy's (same weights, inputs)
+        grad_check = compare_grads(eager_grads, grad_norms(transformer))
     patch = transformer.config.patch_size
     tokens = (latent[1] // patch[0]) * (latent[2] // patch[1]) * (latent[3] // patch[2])
     step_ms = sorted(times)[len(times) // 2]
@@ -181,7 +214,19 @@ def run_layout(args, sp: int, ulysses: int) -> dict:
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
         "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
         "collectives": collectives,
+        "grads_vs_eager": grad_check,
     }
+
+
+def _grad_cell(row: dict, differ: list[str]) -> str:
+    check = row.get("grads_vs_eager")
+    if check is None:
+        return "—"
+    worst = check["max_rel_diff"]
+    bad = math.isnan(worst) or worst > GRAD_TOLERANCE or bool(check["missing"])
+    if bad:
+        differ.append(f"sp{row['sp']} ({check['param']})")
+    return f"{worst:.1e}{' (!)' if bad else ''}"
 
 
 def markdown(rows: list[dict]) -> str:
@@ -191,10 +236,11 @@ def markdown(rows: list[dict]) -> str:
         f"batch {rows[0]['batch']}, {rows[0]['checkpointing']} checkpointing, "
         f"{'compiled' if rows[0]['compiled'] else 'eager'}, on {rows[0]['device']}",
         "",
-        "| layout | ulysses x ring | tokens/rank | step ms | model TFLOP/s | speed-up vs sp1 | efficiency | peak GiB |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| layout | ulysses x ring | tokens/rank | step ms | model TFLOP/s | speed-up vs sp1 | efficiency | peak GiB "
+        "| grads vs eager |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    impossible = []
+    impossible, differ = [], []
     for r in rows:
         speed = base / r["step_ms"] if base else None
         eff = speed / r["sp"] if speed else None
@@ -207,7 +253,7 @@ def markdown(rows: list[dict]) -> str:
             f"| sp{r['sp']} | {r['ulysses']} x {r['ring']} | {r['tokens_per_rank']} | {r['step_ms']:.1f} | "
             f"{'—' if rate is None else f'{rate:.0f}'}{flag} | "
             f"{'—' if speed is None else f'{speed:.2f}'} | {'—' if eff is None else f'{eff:.0%}'} | "
-            f"{'—' if r['peak_gib'] is None else format(r['peak_gib'], '.1f')} |"
+            f"{'—' if r['peak_gib'] is None else format(r['peak_gib'], '.1f')} | {_grad_cell(r, differ)} |"
         )
     if impossible:
         lines += [
@@ -215,6 +261,13 @@ def markdown(rows: list[dict]) -> str:
             f"(!) {', '.join(impossible)}: the model FLOPs of one rank's share (forward + backward, no "
             f"recompute) over the step time exceed the {PEAK_TFLOPS:.0f} TFLOP/s bf16 peak: that step did "
             "less work than the real rank does, so its time is not the real compute time.",
+        ]
+    if differ:
+        lines += [
+            "",
+            f"(!) {', '.join(differ)}: the timed model's gradients differ from the uncompiled copy's (largest "
+            f"relative difference of per-parameter gradient norms above {GRAD_TOLERANCE}, or not finite): "
+            "the timed step did not compute what the eager one does.",
         ]
     lines += [
         "",

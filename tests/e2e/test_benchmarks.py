@@ -182,6 +182,27 @@ def test_sp_collective_bytes_match_the_formulas(sp_timing):
     ring = [c for c in r["collectives"] if c["category"] == "ring"]
     assert ring and all(c["group_size"] == 2 and c["buffer_bytes"] > 0 for c in ring)
     assert r["step_ms"] > 0 and len(r["step_ms_all"]) == 1 and L == 2
+    assert r["grads_vs_eager"] == {"max_rel_diff": 0.0, "param": None, "missing": []}  # eager both
+
+
+def test_sp_timing_checks_the_compiled_step_against_eager(tmp_path):
+    """The timed step (compiled blocks, selective checkpointing, Ulysses 4) computes the gradients
+    the uncompiled copy does; the table flags a step whose gradients differ."""
+    from bench.sp_timing import compare_grads, markdown
+
+    args = ["--model", "tiny", "--shape", "5", "64", "64", "--layouts", "4", "--checkpointing", "selective"]
+    _run("bench/sp_timing.py", "--out", str(tmp_path), *args, "--compile", "on", "--warmup", "0", "--iters", "1")
+    row = json.loads((tmp_path / "sp_timing.json").read_text())[0]
+    assert row["compiled"] and (row["ulysses"], row["ring"]) == (4, 1)
+    check = row["grads_vs_eager"]
+    assert check["missing"] == [] and check["max_rel_diff"] <= 1e-4, check
+    assert "(!)" not in markdown([row])
+    ref = {"a": 1.0, "b": 2.0}
+    assert compare_grads(ref, {"a": 1.0, "b": 2.0})["max_rel_diff"] == 0.0
+    skipped = compare_grads(ref, {"a": 1.0, "b": 0.05})
+    assert skipped["param"] == "b" and skipped["max_rel_diff"] == pytest.approx(0.975)
+    assert math.isnan(compare_grads(ref, {"a": float("nan"), "b": 2.0})["max_rel_diff"])
+    assert "(!)" in markdown([{**row, "grads_vs_eager": skipped}])
 
 
 def test_step_bench_flops_and_mfu(step_bench):
