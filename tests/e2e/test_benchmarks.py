@@ -191,7 +191,18 @@ def test_sp_timing_checks_the_compiled_step_against_eager(tmp_path):
     from bench.sp_timing import compare_grads, markdown
 
     args = ["--model", "tiny", "--shape", "5", "64", "64", "--layouts", "4", "--checkpointing", "selective"]
-    _run("bench/sp_timing.py", "--out", str(tmp_path), *args, "--compile", "on", "--warmup", "0", "--iters", "1")
+    _run(
+        "bench/sp_timing.py",
+        "--out",
+        str(tmp_path),
+        *args,
+        "--compile",
+        "on",
+        "--warmup",
+        "0",
+        "--iters",
+        "1",
+    )
     row = json.loads((tmp_path / "sp_timing.json").read_text())[0]
     assert row["compiled"] and (row["ulysses"], row["ring"]) == (4, 1)
     check = row["grads_vs_eager"]
