@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.distributed_c10d import _resolve_process_group
 
 __all__ = [
     "gather_sequence",
@@ -98,23 +99,43 @@ def gather_sequence(
     return _GatherSequence.apply(x, dim, group, length)
 
 
-class _AllToAll(torch.autograd.Function):
+def _exchange(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Equal-split all-to-all along dim 0: chunk j goes to rank j, chunk j of the result came from rank j."""
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x, group=group)
+    return out
 
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        x = x.contiguous()
-        out = torch.empty_like(x)
-        dist.all_to_all_single(out, x, group=group)
-        return out
 
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        grad = grad.contiguous()
-        out = torch.empty_like(grad)
-        dist.all_to_all_single(out, grad, group=ctx.group)
-        return out, None
+# The all-to-all is a custom op with its own autograd: the compiler sees one opaque op with a
+# registered backward. Written as an autograd.Function around the in-place ``dist`` call, Dynamo
+# in torch 2.11 traced it without its backward: compiled Ulysses blocks got no gradient through
+# attention (tests/distributed/test_compile.py fails there; torch 2.13 traced it correctly).
+@torch.library.custom_op("miles::ulysses_all_to_all", mutates_args=())
+def _all_to_all(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    return _exchange(x, _resolve_process_group(group_name))
+
+
+@_all_to_all.register_fake
+def _(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def _all_to_all_setup(ctx, inputs, output) -> None:
+    ctx.group_name = inputs[1]
+
+
+def _all_to_all_backward(ctx, grad: torch.Tensor):
+    # An equal-split all-to-all is its own adjoint.
+    return _all_to_all(grad.contiguous(), ctx.group_name), None
+
+
+_all_to_all.register_autograd(_all_to_all_backward, setup_context=_all_to_all_setup)
+
+
+def all_to_all(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Differentiable equal-split all-to-all along dim 0 over ``group`` (None: the world)."""
+    group = group or dist.group.WORLD
+    return _all_to_all(x.contiguous(), group.group_name)
 
 
 def ulysses_all_to_all(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -127,7 +148,7 @@ def ulysses_all_to_all(x: torch.Tensor, group: dist.ProcessGroup | None) -> torc
         raise ValueError(f"{h} attention heads are not divisible by the ulysses degree {u}")
     # (B, s, H, D) -> (u, B, s, H/u, D): chunk j (head group j) is sent to Ulysses rank j.
     x = x.reshape(b, s, u, h // u, d).permute(2, 0, 1, 3, 4)
-    x = _AllToAll.apply(x, group)
+    x = all_to_all(x, group)
     # (u, B, s, H/u, D), chunk j = rank j's tokens -> (B, u·s, H/u, D)
     return x.permute(1, 0, 2, 3, 4).reshape(b, u * s, h // u, d)
 
@@ -141,6 +162,6 @@ def ulysses_all_to_all_inverse(x: torch.Tensor, group: dist.ProcessGroup | None)
     s = us // u
     # (B, u·s, H/u, D) -> (u, B, s, H/u, D): token chunk j goes back to Ulysses rank j.
     x = x.reshape(b, u, s, hu, d).permute(1, 0, 2, 3, 4)
-    x = _AllToAll.apply(x, group)
+    x = all_to_all(x, group)
     # (u, B, s, H/u, D), chunk j = head group j -> (B, s, H, D)
     return x.permute(1, 2, 0, 3, 4).reshape(b, s, u * hu, d)
