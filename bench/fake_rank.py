@@ -108,8 +108,9 @@ def _filling(op, fill):
         out, inp = _io(args, kwargs, ("output_tensor", "output"), ("input_tensor", "input"))
         if out is not None and inp is not None:
             # In place, FSDP gathers from a slice of the output buffer (in eager hooks). Traced code
-            # (Ulysses inside compiled blocks) must not read a storage pointer: Dynamo breaks the
-            # graph there and recompiles for every new address, until it falls back to eager.
+            # must not read a storage pointer: Dynamo breaks the graph there and recompiles for every
+            # new address, until it falls back to eager (it did so to the Ulysses all-to-all while
+            # compiled blocks traced it; it is now a custom op whose body runs eagerly).
             traced = torch.compiler.is_compiling()
             if not traced and out.untyped_storage().data_ptr() == inp.untyped_storage().data_ptr():
                 inp = inp.clone()

@@ -10,8 +10,8 @@ Only the block's ``forward`` is compiled — on the checkpoint wrapper where the
 Dynamo traces ``torch.utils.checkpoint`` and Inductor honours the selective-checkpointing policy.
 FSDP2's hooks, registered on the module by ``fully_shard`` afterwards, stay eager around it.
 Every block runs the same code, so one graph serves all of them (per grad mode, input shape and
-checkpointing mode). With SP installed, Ulysses' all-to-all is traced as a functional collective;
-ring attention runs eagerly between graphs.
+checkpointing mode). With SP installed, Ulysses' all-to-all is one custom op with a registered
+backward (``miles::ulysses_all_to_all``) inside the graph; ring attention runs eagerly between graphs.
 """
 
 from __future__ import annotations

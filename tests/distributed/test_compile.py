@@ -5,8 +5,10 @@ tiny Wan is built twice from one seed, eager and compiled, and run on the same f
 inputs: training forward + backward (outputs and every parameter's full gradient) and a no-grad
 forward (the rollout's graph). Layouts: one process (blocks bare and wrapped for selective
 checkpointing, whose policy Inductor must trace through ``torch.utils.checkpoint``) and two
-processes at Ulysses sp=2 (the all-to-all traced as a functional collective) and at ring sp=2
-(graph breaks around torch's ring templates, which run eagerly).
+processes at Ulysses sp=2 (the all-to-all a custom op with its own backward: as an autograd
+Function around ``dist.all_to_all_single``, torch 2.11 traced it without its backward and this
+case failed there) and at ring sp=2 (graph breaks around torch's ring templates, which run
+eagerly).
 
 Tolerance (fp32 on CPU): max|a - b| <= 1e-5 · max|b| per tensor. Inductor fuses and reorders
 the element-wise ops (norms, modulation, RoPE), which changes rounding only. Each case also
