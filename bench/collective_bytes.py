@@ -5,8 +5,8 @@ A ``TorchDispatchMode`` sees every ``c10d`` and ``_c10d_functional`` op at the d
 level every torch.distributed API reaches, whatever its Python name in this torch version), and
 the SP modules tell it whose op it is: the Ulysses all-to-all is its own op
 (``miles::ulysses_all_to_all``); while ring attention or the sequence gather runs (forward or
-backward), their ops are tagged so; untagged all-gathers and reduce-scatters are FSDP2's. Under the fake process group nothing moves, but
-the buffers are the real ones.
+backward), their ops are tagged so; untagged all-gathers and reduce-scatters are FSDP2's. Under
+the fake process group nothing moves, but the buffers are the real ones.
 
 Per op two numbers: ``buffer`` — the bytes of the tensor this rank hands to the collective (its
 input; for a receive, the buffer filled) — and ``wire`` — what leaves this rank on a ring/pairwise

@@ -99,20 +99,16 @@ def gather_sequence(
     return _GatherSequence.apply(x, dim, group, length)
 
 
-def _exchange(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """Equal-split all-to-all along dim 0: chunk j goes to rank j, chunk j of the result came from rank j."""
-    out = torch.empty_like(x)
-    dist.all_to_all_single(out, x, group=group)
-    return out
-
-
 # The all-to-all is a custom op with its own autograd: the compiler sees one opaque op with a
 # registered backward. Written as an autograd.Function around the in-place ``dist`` call, Dynamo
 # in torch 2.11 traced it without its backward: compiled Ulysses blocks got no gradient through
 # attention (tests/distributed/test_compile.py fails there; torch 2.13 traced it correctly).
 @torch.library.custom_op("miles::ulysses_all_to_all", mutates_args=())
 def _all_to_all(x: torch.Tensor, group_name: str) -> torch.Tensor:
-    return _exchange(x, _resolve_process_group(group_name))
+    """Equal-split all-to-all along dim 0: chunk j goes to rank j, chunk j of the result came from rank j."""
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x, group=_resolve_process_group(group_name))
+    return out
 
 
 @_all_to_all.register_fake
