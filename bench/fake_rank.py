@@ -12,8 +12,11 @@ its input, all-reduce leaves the tensor as it was: all finite and of the right s
 (uninitialised or zero memory, data no real rank sees). :func:`fake_collective_fixes` therefore
 fills every tensor collective's output as the CPU group does, zero-fills point-to-point receive
 buffers, hands every "rank" this rank's object in object collectives (DCP), and skips DCP's
-save-plan coverage check (every fake rank reports rank 0's chunks). The ring kernels' permutes go
-through torch's functional collectives and are not filled. Random weights at 30-40 layers, with
+save-plan coverage check (every fake rank reports rank 0's chunks). The ring templates exchange K/V
+and their gradients through torch's functional collectives (all-gather, permute): those are filled
+too, in the templates' module only (every gathered chunk the local buffer, the permute its input),
+so that eager and compiled copies of a ring layout see the same data (unfilled, ``bench/sp_timing.py``'s
+gradient check compared two draws of uninitialised memory at sp 8 = 4 x 2). Random weights at 30-40 layers, with
 gathered parameters that are copies of the local shard, may overflow to inf/NaN:
 :func:`tolerate_nonfinite` keeps the trainer's non-finite checks from stopping a rehearsal (the
 numbers are meaningless; memory is the point).
@@ -129,11 +132,59 @@ _TENSOR_FILLS = {
 }
 
 
+class _FilledFunctionals:
+    """torch's functional collectives as the ring templates call them (``ft_c.<name>``), with the
+    outputs of the K/V exchanges filled: the all-gather's chunks the local buffer, the permute's
+    output its input. Everything else is the module's own."""
+
+    def __init__(self, funcol):
+        self._funcol = funcol
+
+    def __getattr__(self, name):
+        return getattr(self._funcol, name)
+
+    def _waited(self, result):
+        return result.wait() if isinstance(result, self._funcol.AsyncCollectiveTensor) else result
+
+    def all_gather_tensor(self, tensor, *args, **kwargs):  # torch 2.11
+        out = self._waited(self._funcol.all_gather_tensor(tensor, *args, **kwargs))
+        _fill_gather_tensor(out, tensor.contiguous())
+        return out
+
+    def all_gather_single(self, tensor, *args, **kwargs):  # torch 2.13
+        out = self._waited(self._funcol.all_gather_single(tensor, *args, **kwargs))
+        _fill_gather_tensor(out, tensor.contiguous())
+        return out
+
+    def permute_tensor(self, tensor, *args, **kwargs):
+        out = self._waited(self._funcol.permute_tensor(tensor, *args, **kwargs))
+        out.copy_(tensor)
+        return out
+
+
+@contextlib.contextmanager
+def _filled_ring_exchanges():
+    from miles.sequence_parallel import ring
+
+    try:
+        templates = ring._ring_templates()
+    except ImportError:  # no ring templates in this torch: no ring to fill
+        yield
+        return
+    funcol = templates.ft_c
+    templates.ft_c = _FilledFunctionals(funcol)
+    try:
+        yield
+    finally:
+        templates.ft_c = funcol
+
+
 @contextlib.contextmanager
 def fake_collective_fixes():
     """Fill the outputs of the tensor collectives as the CPU fake group does (every gathered chunk
-    the local input, the scatter's first chunk, the all-to-all's input), zero-fill point-to-point
-    receive buffers, and hand object collectives this rank's object."""
+    the local input, the scatter's first chunk, the all-to-all's input; the ring templates' K/V
+    exchanges alike), zero-fill point-to-point receive buffers, and hand object collectives this
+    rank's object."""
     import miles.sequence_parallel.comm as sp_comm
 
     tensor_ops = {name: getattr(dist, name) for name in _TENSOR_FILLS if hasattr(dist, name)}
@@ -178,7 +229,8 @@ def fake_collective_fixes():
 
     planner._validate_global_plan = valid
     try:
-        yield
+        with _filled_ring_exchanges():
+            yield
     finally:
         for name, fn in {**saved, **tensor_ops}.items():
             setattr(dist, name, fn)

@@ -314,6 +314,44 @@ def test_fake_collective_outputs_are_filled_like_the_cpu_fake_group():
     assert torch.equal(out, x.t().reshape(3, 2))
 
 
+def test_fake_ring_exchanges_are_filled_in_the_templates_module():
+    """The ring templates exchange K/V through torch's functional collectives (``ft_c``): under
+    ``fake_collective_fixes`` their all-gather returns the local buffer in every chunk and their
+    permute returns its input, whatever the collective left (NaN here, as memory left allocated);
+    the module gets its own ``ft_c`` back afterwards."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from bench.fake_rank import _FilledFunctionals, fake_collective_fixes
+    from miles.sequence_parallel import ring
+
+    class Async(torch.Tensor):
+        def wait(self):
+            return torch.Tensor(self)
+
+    left = SimpleNamespace(
+        AsyncCollectiveTensor=Async,
+        all_gather_tensor=lambda t, gather_dim, group: torch.full((2 * t.shape[0], *t.shape[1:]), float("nan")),
+        all_gather_single=lambda t, gather_dim, group: torch.full((2 * t.shape[0], *t.shape[1:]), float("nan")),
+        permute_tensor=lambda t, dsts, group: torch.full_like(t, float("nan")).as_subclass(Async),
+    )
+    filled = _FilledFunctionals(left)
+    x = torch.arange(6.0).reshape(3, 2)
+    for gather in (filled.all_gather_tensor, filled.all_gather_single):
+        assert torch.equal(gather(x, gather_dim=0, group=None), torch.cat([x, x]))
+    permuted = filled.permute_tensor(x.t(), [1, 0], None)
+    assert type(permuted) is torch.Tensor and torch.equal(permuted, x.t())
+    assert filled.AsyncCollectiveTensor is Async  # the rest is the module's own
+
+    templates = ring._ring_templates()
+    funcol = templates.ft_c
+    with fake_collective_fixes():
+        assert isinstance(templates.ft_c, _FilledFunctionals)
+        assert templates.ft_c._funcol is funcol
+    assert templates.ft_c is funcol
+
+
 def test_fake_collective_fill_compiles_without_a_graph_break():
     """Ulysses calls the all-to-all inside compiled blocks: the fill must trace into one graph
     (a storage-pointer check broke it and recompiled per address, then ran the blocks eagerly)."""
