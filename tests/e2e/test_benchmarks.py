@@ -332,8 +332,12 @@ def test_fake_ring_exchanges_are_filled_in_the_templates_module():
 
     left = SimpleNamespace(
         AsyncCollectiveTensor=Async,
-        all_gather_tensor=lambda t, gather_dim, group: torch.full((2 * t.shape[0], *t.shape[1:]), float("nan")),
-        all_gather_single=lambda t, gather_dim, group: torch.full((2 * t.shape[0], *t.shape[1:]), float("nan")),
+        all_gather_tensor=lambda t, gather_dim, group: torch.full(
+            (2 * t.shape[0], *t.shape[1:]), float("nan")
+        ),
+        all_gather_single=lambda t, gather_dim, group: torch.full(
+            (2 * t.shape[0], *t.shape[1:]), float("nan")
+        ),
         permute_tensor=lambda t, dsts, group: torch.full_like(t, float("nan")).as_subclass(Async),
     )
     filled = _FilledFunctionals(left)
