@@ -15,10 +15,10 @@ buffers, hands every "rank" this rank's object in object collectives (DCP), and 
 save-plan coverage check (every fake rank reports rank 0's chunks). The ring templates exchange K/V
 and their gradients through torch's functional collectives (all-gather, permute): those are filled
 too, in the templates' module only (every gathered chunk the local buffer, the permute its input),
-so that eager and compiled copies of a ring layout see the same data (unfilled, ``bench/sp_timing.py``'s
-gradient check compared two draws of uninitialised memory at sp 8 = 4 x 2). Random weights at 30-40 layers, with
-gathered parameters that are copies of the local shard, may overflow to inf/NaN:
-:func:`tolerate_nonfinite` keeps the trainer's non-finite checks from stopping a rehearsal (the
+so that eager and compiled copies of a ring layout see the same data (unfilled,
+``bench/sp_timing.py``'s gradient check compared two draws of uninitialised memory at sp 8 = 4 x 2).
+Random weights at 30-40 layers, with gathered parameters that are copies of the local shard, may
+overflow to inf/NaN: :func:`tolerate_nonfinite` keeps the trainer's non-finite checks from stopping a rehearsal (the
 numbers are meaningless; memory is the point).
 
 Everything is patched here, at run time: ``miles/`` is never edited for the fake group.
@@ -146,15 +146,16 @@ class _FilledFunctionals:
     def _waited(self, result):
         return result.wait() if isinstance(result, self._funcol.AsyncCollectiveTensor) else result
 
-    def all_gather_tensor(self, tensor, *args, **kwargs):  # torch 2.11
-        out = self._waited(self._funcol.all_gather_tensor(tensor, *args, **kwargs))
-        _fill_gather_tensor(out, tensor.contiguous())
+    def _gathered(self, name, tensor, *args, **kwargs):
+        out = self._waited(getattr(self._funcol, name)(tensor, *args, **kwargs))
+        _fill_gather_tensor(out, tensor)
         return out
 
-    def all_gather_single(self, tensor, *args, **kwargs):  # torch 2.13
-        out = self._waited(self._funcol.all_gather_single(tensor, *args, **kwargs))
-        _fill_gather_tensor(out, tensor.contiguous())
-        return out
+    def all_gather_tensor(self, tensor, *args, **kwargs):  # what torch 2.11's templates call
+        return self._gathered("all_gather_tensor", tensor, *args, **kwargs)
+
+    def all_gather_single(self, tensor, *args, **kwargs):  # what torch 2.13's templates call
+        return self._gathered("all_gather_single", tensor, *args, **kwargs)
 
     def permute_tensor(self, tensor, *args, **kwargs):
         out = self._waited(self._funcol.permute_tensor(tensor, *args, **kwargs))
