@@ -18,8 +18,8 @@ too, in the templates' module only (every gathered chunk the local buffer, the p
 so that eager and compiled copies of a ring layout see the same data (unfilled,
 ``bench/sp_timing.py``'s gradient check compared two draws of uninitialised memory at sp 8 = 4 x 2).
 Random weights at 30-40 layers, with gathered parameters that are copies of the local shard, may
-overflow to inf/NaN: :func:`tolerate_nonfinite` keeps the trainer's non-finite checks from stopping a rehearsal (the
-numbers are meaningless; memory is the point).
+overflow to inf/NaN: :func:`tolerate_nonfinite` keeps the trainer's non-finite checks from stopping
+a rehearsal (the numbers are meaningless; memory is the point).
 
 Everything is patched here, at run time: ``miles/`` is never edited for the fake group.
 """
