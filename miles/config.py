@@ -258,12 +258,17 @@ class RewardConfig:
 
 @dataclasses.dataclass(kw_only=True)
 class AlgorithmConfig:
-    name: Literal["flow_grpo", "grpo_guard", "diffusion_nft"] = "flow_grpo"
+    name: Literal["flow_grpo", "grpo_guard", "diffusion_nft", "awm", "dgpo", "online_dpo"] = "flow_grpo"
     """The RL algorithm (``miles.algorithms``): what the rollout records and the loss.
     ``flow_grpo``: SDE rollouts with per-step log-probs and the clipped-ratio loss (section ``grpo``).
     ``grpo_guard``: Flow-GRPO with GRPO-Guard's normalised ratio and 1/|dt| step weights (``grpo``;
     needs rollout.sde_type sde). ``diffusion_nft``: ODE rollouts of an old policy and the
-    forward-process loss on their clean samples, CFG-free (section ``nft``; advantages from ``grpo``)."""
+    forward-process loss on their clean samples, CFG-free (section ``nft``; advantages from ``grpo``).
+    ``awm``: Advantage Weighted Matching — ODE rollouts, the pretraining flow-matching loss on their
+    clean samples weighted by the group advantage (section ``awm``). ``dgpo``: Direct Group Preference
+    Optimization — ODE rollouts, a group-level preference loss on the flow-matching errors (section
+    ``dgpo``). ``online_dpo``: Diffusion-DPO on pairs drawn from each group of ODE rollouts (section
+    ``dpo``)."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -310,6 +315,93 @@ class NFTConfig:
     kl_beta: float = 0.0
     """β, the weight of the penalty β·mean((v − v_ref)²) on the velocity's distance to the reference
     (initial) policy's; 0 turns it off (the DiffusionNFT reference uses 1e-4 with LoRA)."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class AWMConfig:
+    num_levels: int = 4
+    """Noise levels each sample is trained at per optimizer step, drawn without replacement from the
+    first floor(timestep_fraction * rollout.num_steps) levels of the rollout's grid (the reference's
+    ``train_timesteps``: 6 of 14)."""
+    timestep_fraction: float = 0.9
+    """The levels are drawn from the first floor(fraction * rollout.num_steps) of the rollout's noise
+    levels (the reference: 0.9)."""
+    weighting: Literal["uniform", "t", "t2", "huber", "ghuber"] = "ghuber"
+    """The matching term's weighting w(σ, e) of the per-sample flow-matching error e: ``uniform`` e,
+    ``t`` σ·e, ``t2`` σ²·e, ``huber`` σ·(√e − 1e-5), ``ghuber`` σ·(e^p − ε^p)/p with p = ghuber_power
+    (the reference's PickScore recipe)."""
+    ghuber_power: float = 0.25
+    """p of the ``ghuber`` weighting."""
+    advantage_max: float = 1.0
+    """The clipped advantage is rescaled to [-advantage_max, advantage_max] (A · advantage_max /
+    grpo.adv_clip_max, the reference's ``advantage_max``); 0 keeps it unscaled."""
+    kl_beta: float = 1e-4
+    """β, the weight of mean((v − v_ref)²) to the reference (initial) policy; 0 turns it off."""
+    ema_kl_beta: float = 1.0
+    """The weight of mean((v − v_ema)²) to a lagging copy of the weights (the reference's ``ema_beta``);
+    0 turns it off and keeps no copy."""
+    ema_decay_rate: float = 0.001
+    """The lagging copy moves towards the trained weights after each rollout with decay
+    min(rate · step, ema_decay_max) (the reference's ``linear`` schedule: 0.001, 0.3)."""
+    ema_decay_max: float = 0.3
+    """The lagging copy's largest decay."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class DGPOConfig:
+    num_levels: int = 4
+    """Noise levels trained per optimizer step, the same for every sample (the reference's
+    ``num_train_timesteps``)."""
+    timestep_fraction: float = 0.7
+    """The levels are drawn without replacement from the first floor(fraction * rollout.num_steps) of
+    the rollout's noise levels (the reference's ``trunc_steps`` 6 of 10 steps: 0.7)."""
+    beta_dpo: float = 100.0
+    """β of the group preference: each group's weight is sigmoid(β · Σ_i A_i (e_i − e_ref,i) / n)
+    over its n samples in the step (the reference: 10–100; 2000–5000 with ``ema_reference``)."""
+    kl_beta: float = 1e-3
+    """The weight of mean((v − v_ref)²) to the reference policy (the reference's ``train.beta``); 0:
+    off."""
+    reference_guidance_scale: float = 1.0
+    """CFG scale of the frozen reference's velocity (the reference's ``kl_cfg``). 1: no CFG (the
+    "rollout with CFG, train without" mode, rollout.guidance_scale > 1); > 1 (e.g. 4.5) with
+    rollout.guidance_scale 1 is the fully CFG-free mode: the trained conditional branch is pulled to
+    the reference's guided velocity."""
+    clip_range: float = 1e-3
+    """PPO-style clip on the matching term: a sample whose ratio exp(e_old − e) leaves [1 − c, 1 + c]
+    on its advantage's side is not trained (the reference's ``clip_dsm``); 0 turns the clip off and
+    keeps no lagging copy (unless ``ema_reference``)."""
+    ema_reference: bool = False
+    """The preference compares against the lagging copy instead of the frozen reference (the
+    reference's ``use_ema_ref``, TDM-R1)."""
+    shared_noise: bool = True
+    """All samples of a group are noised with the same forward-process noise at a level."""
+    old_decay_rate: float = 0.001
+    """The lagging copy moves towards the trained weights after each rollout with decay
+    min(rate · step, old_decay_max) (the reference: 0.001, 0.3)."""
+    old_decay_max: float = 0.3
+    """The lagging copy's largest decay."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class DPOConfig:
+    beta: float = 100.0
+    """β of Diffusion-DPO: loss −log σ(−β/2 · ((e_w − e_w,ref) − (e_l − e_l,ref))) per pair and level
+    (flow_grpo's SD3 recipe: 100)."""
+    pairs: Literal["best_worst", "margin"] = "best_worst"
+    """Pair selection within each group's samples of an optimizer step: ``best_worst`` (the highest
+    against the lowest advantage, flow_grpo's online DPO), or ``margin``: every pair whose rewards
+    differ by more than ``reward_margin``."""
+    reward_margin: float = 0.0
+    """A pair is trained only if its two rewards differ by more than this (both pair modes)."""
+    num_levels: int = 4
+    """Noise levels trained per optimizer step, the same for every sample; both members of a pair are
+    noised with the same noise."""
+    timestep_fraction: float = 0.9
+    """The levels are drawn without replacement from the first floor(fraction * rollout.num_steps) of
+    the rollout's noise levels."""
+    ref_update_every: int = 0
+    """The reference policy: 0 keeps the initial weights (offline-style DPO); N > 0 sets it to the
+    trained weights every N rollouts (flow_grpo's ``ref_update_step``: online DPO)."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -382,6 +474,9 @@ class Config:
     algorithm: AlgorithmConfig = dataclasses.field(default_factory=AlgorithmConfig)
     grpo: GRPOConfig = dataclasses.field(default_factory=GRPOConfig)
     nft: NFTConfig = dataclasses.field(default_factory=NFTConfig)
+    awm: AWMConfig = dataclasses.field(default_factory=AWMConfig)
+    dgpo: DGPOConfig = dataclasses.field(default_factory=DGPOConfig)
+    dpo: DPOConfig = dataclasses.field(default_factory=DPOConfig)
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
 

@@ -698,6 +698,7 @@ class Trainer:
             video_prompts=video_prompts,
             video_rewards=video_rewards,
             advantages=advantages[mine].to(self.device),
+            rewards=trained[mine].to(self.device),  # this rank's trained rewards (DPO's reward margin)
             reward_all=everything[0],
             shaped_all=trained,
             per_reward_all=per_reward_all,

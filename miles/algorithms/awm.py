@@ -1,0 +1,143 @@
+"""Advantage Weighted Matching (Xue et al. 2025, arXiv 2509.25050): RL as the pretraining loss.
+
+Rollouts are ODE samples of the trained policy (any solver: only the clean latents x0 and the
+rewards are kept). Training noises x0 along the forward path at ``awm.num_levels`` levels σ drawn
+from the rollout's grid and turns each sample's flow-matching error e = mean((v_θ − (ε − x0))²)
+into a log-likelihood surrogate lp = −w(σ, e) (``awm.weighting``; ``ghuber``: σ·(e^p − ε^p)/p).
+The loss of a level is
+
+    mean_i(−A_i · exp(lp_i − sg(lp_i)))  +  kl_beta·mean((v_θ − v_ref)²)  +  ema_kl_beta·mean((v_θ − v_ema)²)
+
+with A the group advantage clipped to ±grpo.adv_clip_max and rescaled to ±advantage_max: its
+gradient is −A·∇lp, the advantage-weighted matching gradient (positive advantages pull the
+velocity towards the sample's flow-matching target, negative ones push it away). v_ema is a
+lagging copy of the weights, moved after each rollout with decay min(rate·step, max) (the
+reference's ``linear`` schedule); the rollouts are sampled by the trained weights.
+
+Departure from the reference: it forms the PPO ratio against log-probs computed with the weights
+of the rollout (on-policy, ratio 1 on the first optimizer step and clip range 1 in its recipe).
+miles trains each sample in exactly one optimizer step and takes the ratio against that step's own
+weights, so the ratio is 1 and the clip never engages; the gradient is the reference's at ratio 1.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from miles.algorithms import register_algorithm
+from miles.algorithms.base import Algorithm, Policy
+from miles.algorithms.matching import (
+    check_num_levels,
+    forward_noise,
+    level_candidates,
+    linear_decay,
+    matching_error,
+    noised,
+    step_levels,
+    trained_part,
+    velocity,
+    velocity_gap,
+)
+
+_METRICS = ("loss", "policy_loss", "matching_loss", "kl", "ema_kl")
+_EPS = 1e-10
+
+
+def awm_log_prob(err: Tensor, sigma: float | Tensor, weighting: str, power: float = 0.25) -> Tensor:
+    """lp = −w(σ, e): the weighted matching error as a log-likelihood surrogate, per sample."""
+    if weighting == "uniform":
+        return -err
+    if weighting == "t":
+        return -err * sigma
+    if weighting == "t2":
+        return -err * sigma**2
+    if weighting == "huber":
+        return -(torch.sqrt(err + _EPS) - 1e-5) * sigma
+    if weighting == "ghuber":
+        eps = torch.tensor(_EPS, dtype=err.dtype, device=err.device)
+        return -(torch.pow(err + eps, power) - torch.pow(eps, power)) * sigma / power
+    raise ValueError(f"awm.weighting {weighting!r} is not one of uniform, t, t2, huber, ghuber")
+
+
+def awm_advantages(advantages: Tensor, adv_clip_max: float, advantage_max: float) -> Tensor:
+    """A clipped to ±adv_clip_max, rescaled to ±advantage_max (0: unscaled)."""
+    a = advantages.clamp(-adv_clip_max, adv_clip_max)
+    return a * (advantage_max / adv_clip_max) if advantage_max > 0 else a
+
+
+def awm_policy_loss(log_prob: Tensor, advantages: Tensor) -> Tensor:
+    """mean(−A·exp(lp − sg(lp))): value −mean(A), gradient −A·∇lp / B."""
+    return (-advantages * torch.exp(log_prob - log_prob.detach())).mean()
+
+
+@register_algorithm("awm")
+class AWM(Algorithm):
+    name = "awm"
+
+    def __init__(self, cfg):
+        self.awm, self.grpo = cfg.awm, cfg.grpo
+        self.uses_reference = cfg.awm.kl_beta > 0
+        self.uses_old_policy = cfg.awm.ema_kl_beta > 0  # the lagging copy of the EMA term
+        if not 0.0 <= cfg.awm.ema_decay_max < 1.0:
+            raise ValueError(f"awm.ema_decay_max must be in [0, 1), got {cfg.awm.ema_decay_max}")
+        r = cfg.rollout
+        self.candidates = level_candidates(r.num_steps, r.shift, cfg.awm.timestep_fraction)
+        check_num_levels("awm", cfg.awm.num_levels, self.candidates)
+
+    def sde_steps(self, num_steps: int, generator: torch.Generator) -> list[int]:
+        return []  # ODE rollouts: only the clean samples are recorded
+
+    def forwards_per_sample(self, batch: dict) -> int:
+        return self.awm.num_levels * (1 + int(self.uses_reference) + int(self.uses_old_policy))
+
+    def rollout_transformers(self, policy: Policy):
+        return policy.transformers  # on-policy: the lagging copy only regularises
+
+    def after_rollout(self, policy: Policy, step: int) -> dict[str, float]:
+        if not self.uses_old_policy:
+            return {}
+        decay = linear_decay(step, self.awm.ema_decay_rate, self.awm.ema_decay_max)
+        policy.old.soft_update(decay)
+        return {"ema_decay": decay}
+
+    def _regulariser(self, transformers, policy, x_t, sigma, chunk, v) -> Tensor:
+        with torch.no_grad():
+            v_other = velocity(transformers, policy, x_t, sigma, chunk)
+        return velocity_gap(*trained_part(chunk, v.float(), v_other.float())).mean()
+
+    def _level_loss(self, policy: Policy, chunk: dict, x0: Tensor, noise: Tensor, sigma, adv) -> tuple:
+        a = self.awm
+        x_t = noised(x0, noise, sigma)
+        v = velocity(policy.transformers, policy, x_t, sigma, chunk)
+        err = matching_error(*trained_part(chunk, v.float(), x0, noise))
+        policy_loss = awm_policy_loss(awm_log_prob(err, sigma, a.weighting, a.ghuber_power), adv)
+        zero = torch.zeros((), device=x0.device)
+        kl = ema_kl = zero
+        if self.uses_reference:
+            with policy.reference() as reference:
+                kl = self._regulariser(reference, policy, x_t, sigma, chunk, v)
+        if self.uses_old_policy:
+            ema_kl = self._regulariser(policy.old.transformers, policy, x_t, sigma, chunk, v)
+        loss = policy_loss + a.kl_beta * kl + a.ema_kl_beta * ema_kl
+        return loss, policy_loss, err.mean(), kl, ema_kl
+
+    def accumulate(self, policy: Policy, batch: dict, chunks: list[dict]) -> dict[str, float]:
+        a = self.awm
+        samples = sum(c["rollout"].final_latents.shape[0] for c in chunks)
+        sigmas = step_levels(policy, batch, 11, self.candidates, a.num_levels)
+        sums = dict.fromkeys(_METRICS, 0.0)
+        for chunk in chunks:
+            x0 = chunk["rollout"].final_latents.float()
+            ids = batch["sample_ids"][chunk["slice"]].tolist()
+            adv = awm_advantages(
+                batch["advantages"][chunk["slice"]].float(), self.grpo.adv_clip_max, a.advantage_max
+            )
+            weight = x0.shape[0] / (samples * a.num_levels)
+            for j, sigma in enumerate(sigmas.to(x0.device)):
+                noise = forward_noise(policy, ids, x0.shape[1:], 12, batch["rollout_index"], j).to(x0.device)
+                values = self._level_loss(policy, chunk, x0, noise, sigma, adv.to(x0.device))
+                (values[0] * weight).backward()
+                for key, value in zip(_METRICS, values):
+                    sums[key] += float(value.detach()) * weight
+        return sums
