@@ -3,6 +3,7 @@
     python bench/e2e_bands.py --out runs/bands                 # 5 bands, 5 rollouts (10 steps) each
     python bench/e2e_bands.py --out runs/bands --double-run    # + a second run per band, compared bitwise
     python bench/e2e_bands.py --out runs/bands_nft --double-run --algorithm diffusion_nft
+    python bench/e2e_bands.py --out runs/bands_dgpo --double-run --algorithm dgpo   # also awm, online_dpo
     python bench/e2e_bands.py --out runs/bands_cps --double-run -- --rollout.sde-type cps
 
 Reproduces the seed's E2E validation on CPU (4 gloo processes, ``configs/tiny_bands.yaml``: the
@@ -71,6 +72,15 @@ ROLLOUT_LINE = re.compile(
 )
 
 
+# Flags of the flow-matching algorithms on the bands' 4-step recipe: their levels come from a
+# prefix of the grid (2 of 3), and DGPO's group weights and DPO's pairs need whole groups in a step.
+FORWARD_PROCESS = {
+    "awm": ["--awm.num-levels", "2", "--train.steps-per-rollout", "1"],
+    "dgpo": ["--dgpo.num-levels", "2", "--train.steps-per-rollout", "1"],
+    "online_dpo": ["--dpo.num-levels", "2", "--train.steps-per-rollout", "1"],
+}
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
@@ -89,8 +99,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--algorithm",
         default="flow_grpo",
-        choices=["flow_grpo", "grpo_guard", "diffusion_nft"],
-        help="algorithm.name of every band (diffusion_nft: CFG-free, guidance 1; it has no canary)",
+        choices=["flow_grpo", "grpo_guard", "diffusion_nft", *FORWARD_PROCESS],
+        help="algorithm.name of every band (the forward-process ones: CFG-free, guidance 1, no canary; "
+        "awm, dgpo, online_dpo: 2 trained levels of the 4-step grid, one optimizer step per rollout "
+        "so that a step holds whole groups)",
     )
     p.add_argument("--bands", default=",".join(b[0] for b in BANDS), help="comma-separated subset of bands")
     p.add_argument("--nproc", type=int, default=4)
@@ -130,8 +142,8 @@ def launch(
         "--run.wandb-mode", "disabled", "--run.no-progress",
         "--algorithm.name", args.algorithm,
     ]  # fmt: skip
-    if args.algorithm == "diffusion_nft":
-        cmd += ["--rollout.guidance-scale", "1.0"]
+    if args.algorithm == "diffusion_nft" or args.algorithm in FORWARD_PROCESS:
+        cmd += ["--rollout.guidance-scale", "1.0", *FORWARD_PROCESS.get(args.algorithm, [])]
     cmd += args.extra
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
     for attempt in range(2):

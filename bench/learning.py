@@ -19,7 +19,12 @@ seeds, ODE sampling) in deterministic mode with 4 CPU processes:
 - ``cfg-*``: Flow-GRPO as its paper runs it, rolled out and trained with CFG (guidance 4), in
   the same layouts and control, and with GRPO-Guard (``cfg-guard-dp4``) and CPS sampling
   (``cfg-cps-dp4``); ``guard-dp4``, ``cps-dp4``: the same two CFG-free;
-- ``*-1step``: the whole rollout (64 samples) in one optimizer step instead of two steps of 32.
+- ``*-1step``: the whole rollout (64 samples) in one optimizer step instead of two steps of 32;
+- ``awm-*``, ``dgpo-*``, ``dpo-*`` (dp4, dp2xsp2, dp4-negated): Advantage Weighted Matching, DGPO
+  in its fully CFG-free mode (rollouts at guidance 1, the frozen reference's velocity with CFG 4,
+  clip 1e-5: its paper's mode 2) and online DPO (best vs worst of each group's half in a step), each
+  with its section's defaults (the references' recipes); ``cfg-dgpo-dp4`` (and ``-negated``):
+  DGPO's "rollout with CFG, train without" mode (rollouts at guidance 4, reference without CFG).
 
 Every run keeps the recipe's optimizer, learning rate, batch and evaluation: nothing is tuned per
 method.
@@ -63,6 +68,20 @@ RUNS.update(
     }
 )
 RUNS.update({f"cfg-{name}": [*RUNS[name], *_CFG] for name in ("guard-dp4", "cps-dp4", "dp4-1step")})
+_DGPO = ["--algorithm.name", "dgpo"]
+_MATCHING = {
+    "awm": ["--algorithm.name", "awm"],
+    "dgpo": [*_DGPO, "--dgpo.reference-guidance-scale", "4.0", "--dgpo.clip-range", "1e-5"],
+    "dpo": ["--algorithm.name", "online_dpo"],
+}
+for _algo, _flags in _MATCHING.items():
+    RUNS.update({f"{_algo}-{name}": [*RUNS[name], *_flags] for name in ("dp4", "dp2xsp2", "dp4-negated")})
+RUNS.update(
+    {
+        f"cfg-dgpo-{name}": [*RUNS[name], *_DGPO, "--rollout.guidance-scale", "4.0"]
+        for name in ("dp4", "dp4-negated")
+    }
+)
 DEFAULT_RUNS = ["dp4", "dp2xsp2", "dp4-negated"]
 
 
@@ -181,23 +200,31 @@ def table(results: dict, target: float) -> str:
     lines.append(
         f"Target: the error of the trained runs at most ×{target:.2f} of the baseline's; the negated runs must not rise."
     )
-    for grpo in ("dp4", "cfg-dp4"):  # Flow-GRPO CFG-free as NFT, and with CFG (guidance 4)
-        if grpo in results and "nft-dp4" in results:
-            lines.append("")
-            lines.append(nft_vs_grpo(grpo, results[grpo], results["nft-dp4"]))
+    # The efficiency targets: DiffusionNFT within a third of Flow-GRPO's time (issue 14), AWM and
+    # DGPO within a fifth (issue 32), against Flow-GRPO CFG-free and with CFG (guidance 4).
+    for label, run, divisor in (
+        ("DiffusionNFT", "nft-dp4", 3),
+        ("AWM", "awm-dp4", 5),
+        ("DGPO", "dgpo-dp4", 5),
+    ):
+        for grpo in ("dp4", "cfg-dp4"):
+            if grpo in results and run in results:
+                lines.append("")
+                lines.append(speedup_vs_grpo(grpo, results[grpo], label, run, results[run], divisor))
     return "\n".join(lines)
 
 
-def nft_vs_grpo(name: str, grpo: dict, nft: dict) -> str:
-    """The issue's efficiency target: DiffusionNFT reaching Flow-GRPO's final held-out adherence in
-    at most a third of Flow-GRPO's time."""
-    goal, budget = grpo["eval"][-1]["adherence"], grpo["eval"][-1]["time_s"] / 3
-    reached = next((e for e in nft["eval"] if e["adherence"] >= goal), None)
+def speedup_vs_grpo(name: str, grpo: dict, label: str, run: str, other: dict, divisor: int) -> str:
+    """Whether ``other`` reaches Flow-GRPO's final held-out adherence in at most 1/divisor of
+    Flow-GRPO's time."""
+    goal, budget = grpo["eval"][-1]["adherence"], grpo["eval"][-1]["time_s"] / divisor
+    reached = next((e for e in other["eval"] if e["adherence"] >= goal), None)
     when = f"at {reached['time_s']:.0f} s (step {reached['step']})" if reached else "never"
     ok = reached is not None and reached["time_s"] <= budget
     return (
-        f"DiffusionNFT (nft-dp4) vs Flow-GRPO ({name}): Flow-GRPO's final held-out adherence {goal:.3f}; "
-        f"NFT reaches it {when}; a third of Flow-GRPO's time is {budget:.0f} s: target {'met' if ok else 'missed'}."
+        f"{label} ({run}) vs Flow-GRPO ({name}): Flow-GRPO's final held-out adherence {goal:.3f}; "
+        f"{label} reaches it {when}; 1/{divisor} of Flow-GRPO's time is {budget:.0f} s: "
+        f"target {'met' if ok else 'missed'}."
     )
 
 

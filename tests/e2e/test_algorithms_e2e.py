@@ -14,6 +14,9 @@ the bands' recipe, whose sharpness reward is continuous).
   sampling weights, so the (normalised) ratio is exactly 1 and the log-prob canary 0 — the
   training recompute under SP reproduces the rollout's log-probs bit for bit; the second step's
   ratio moves.
+- AWM, DGPO and online DPO at dp2 and at dp2 x sp2 (Ulysses) in deterministic mode: the same
+  losses and gradient norms step by step, and at the first step (initial weights) the values
+  that an untrained lagging copy and reference imply.
 """
 
 from __future__ import annotations
@@ -79,3 +82,39 @@ def test_sde_variants_train(tmp_path, flags):
     assert [r["train/ratio"] for r in firsts] == [1.0, 1.0]
     assert all(r["train/log_prob_mean_abs_diff"] == 0.0 for r in firsts)
     assert any(r["train/ratio"] != 1.0 for r in rows if "reward/mean" not in r)
+
+
+# AWM, DGPO and online DPO: CFG-free ODE rollouts on the bands' recipe (4 denoising steps, so 2
+# trained levels), one optimizer step per rollout so that a step holds whole groups (pairs and
+# group weights need a group's samples together).
+MATCHING = {
+    "awm": ["--awm.num-levels", "2"],
+    "dgpo": ["--dgpo.num-levels", "2"],
+    "online_dpo": ["--dpo.num-levels", "2"],
+}
+
+
+@pytest.mark.parametrize("algorithm", list(MATCHING))
+def test_matching_algorithms_sequence_parallel_parity(tmp_path, algorithm):
+    """dp2 and dp2 x sp2 (Ulysses) agree step by step; the first step runs with the initial weights,
+    so the lagging copy and the reference equal the trained policy there: AWM's EMA term is 0,
+    DGPO's group weights are sigmoid(0) = 0.5 with nothing clipped, DPO's loss is log 2."""
+    flags = ["--algorithm.name", algorithm, *MATCHING[algorithm], "--rollout.guidance-scale", "1.0"]
+    flags += ["--deterministic-mode", "--train.steps-per-rollout", "1", *BANDS]
+    dp2 = _rows(_launch(tmp_path, f"{algorithm}_dp2", *flags, nproc=2))
+    sp = _rows(_launch(tmp_path, f"{algorithm}_dp2sp2", *flags, *SP2))
+    assert [r["step"] for r in dp2] == [r["step"] for r in sp] == [1, 2]
+    for a, b in zip(dp2, sp):
+        for key in ("reward/mean", "train/loss", "train/grad_norm", "train/matching_loss"):
+            assert math.isclose(a[key], b[key], rel_tol=1e-3), (key, a[key], b[key])
+    first = sp[0]
+    if algorithm == "awm":
+        assert first["train/ema_kl"] == 0.0 and first["train/kl"] == 0.0
+        assert sp[1]["train/kl"] > 0.0
+    elif algorithm == "dgpo":
+        assert first["train/group_weight"] == pytest.approx(0.5, abs=1e-7)
+        assert first["train/clipfrac"] == 0.0
+    else:
+        assert first["train/loss"] == pytest.approx(math.log(2.0), rel=1e-6)
+        assert first["train/pairs_per_group"] == 1.0
+        assert sp[1]["train/loss"] != pytest.approx(math.log(2.0), rel=1e-6)
