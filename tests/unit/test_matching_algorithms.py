@@ -9,6 +9,11 @@ loop's advantage rescale and exp_first clipped loss; Luo-Yihong/DGPO
 lines; flow_grpo ``scripts/train_sd3_dpo.py``'s loss lines (chosen/rejected halves, shared noise).
 Each test compares the loss and two functionals of its gradient with respect to the velocity
 (Σ g², Σ g·x0).
+
+The ``accumulate`` tests run each algorithm's optimizer step on a toy velocity model over three
+micro-batches (a group spanning two of them) and compare the parameter gradient with autograd of
+the whole step's loss written out at once: DGPO's group weights and clip, DPO's margin pairs and
+AWM's regularisers, through the two-pass scheme of ``miles.algorithms.matching``.
 """
 
 from __future__ import annotations
@@ -150,3 +155,162 @@ def test_levels_are_drawn_from_the_grid_prefix():
     assert len(candidates) == 7 and candidates[0] == 1.0
     picked = draw_levels(candidates, 4, torch.Generator().manual_seed(0))
     assert len(set(picked.tolist())) == 4 and set(picked.tolist()) <= set(candidates.tolist())
+
+
+# ---------------------------------------------------------------------------------------------
+# accumulate() on a toy velocity model: the chunked two-pass gradient (no-grad errors, then
+# Σ c_i·e_i per micro-batch) against autograd of the whole step's loss written out at once.
+
+
+class _Toy(torch.nn.Module):
+    """v = W·x (over channels) + t/1000 · b + mean(context) — enough for distinct per-sample errors."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.w = torch.nn.Parameter(torch.eye(2) + 0.3 * torch.randn(2, 2, generator=g))
+        self.b = torch.nn.Parameter(0.3 * torch.randn(2, generator=g))
+
+    def forward(self, hidden_states, timestep, encoder_hidden_states, return_dict=False):
+        v = torch.einsum("oc,bcfhw->bofhw", self.w, hidden_states)
+        v = v + (timestep / 1000)[:, None, None, None, None] * self.b[None, :, None, None, None]
+        return (v + encoder_hidden_states.mean(dim=(1, 2))[:, None, None, None, None],)
+
+
+def _setup(section: dict, name: str):
+    from contextlib import contextmanager
+    from types import SimpleNamespace
+
+    from miles.algorithms import build_algorithm
+    from miles.algorithms.base import Policy
+    from miles.config import AlgorithmConfig, Config, RolloutConfig
+
+    cfg = Config(algorithm=AlgorithmConfig(name=name), rollout=RolloutConfig(num_steps=8), **section)
+    trained, reference, old = _Toy(0), _Toy(1).requires_grad_(False), _Toy(2).requires_grad_(False)
+
+    @contextmanager
+    def ref():
+        yield [reference]
+
+    def generator(*parts):
+        return torch.Generator().manual_seed(hash(parts) & 0x7FFF_FFFF)
+
+    policy = Policy([trained], [1.0], None, False, ref, generator, SimpleNamespace(transformers=[old]))
+    g = torch.Generator().manual_seed(9)
+    n = 8  # two groups of 4, in micro-batches of 3, 3, 2 (a group spans micro-batches)
+    x0 = torch.randn(n, 2, 1, 2, 2, generator=g)
+    pos = torch.randn(n, 3, 4, generator=g)
+    adv = torch.tensor([1.2, -0.4, 0.3, -1.1, 0.7, -0.9, 0.1, 0.1])
+    batch = {
+        "rollout_index": 3,
+        "step_in_rollout": 0,
+        "sample_ids": torch.arange(n),
+        "group_ids": torch.tensor([0, 0, 0, 0, 1, 1, 1, 1]),
+        "advantages": adv,
+        "rewards": torch.tensor([0.9, 0.2, 0.5, 0.1, 0.8, 0.0, 0.4, 0.45]),
+    }
+    slices = [slice(0, 3), slice(3, 6), slice(6, 8)]
+    chunks = [
+        {"slice": s, "pos": pos[s], "neg": None, "rollout": SimpleNamespace(final_latents=x0[s])}
+        for s in slices
+    ]
+    whole = {"slice": slice(0, n), "pos": pos, "neg": None, "rollout": SimpleNamespace(final_latents=x0)}
+    return build_algorithm(cfg), policy, batch, chunks, whole, (trained, reference, old)
+
+
+def _compare(algo, policy, batch, chunks, whole, trained, num_levels, salts, noise_key, loss_of_level):
+    """accumulate()'s gradient against autograd of mean_levels loss_of_level(whole step)."""
+    from miles.algorithms.matching import forward_noise, step_levels
+
+    algo.accumulate(policy, batch, chunks)
+    chunked = [p.grad.clone() for p in trained.parameters()]
+    trained.zero_grad()
+    x0 = whole["rollout"].final_latents
+    for j, sigma in enumerate(step_levels(policy, batch, salts[0], algo.candidates, num_levels)):
+        keys = batch[noise_key].tolist()
+        noise = forward_noise(policy, keys, x0.shape[1:], salts[1], batch["rollout_index"], j)
+        (loss_of_level(x0, noise, sigma) / num_levels).backward()
+    for a, b in zip(chunked, trained.parameters()):
+        torch.testing.assert_close(a, b.grad, rtol=1e-5, atol=1e-7)
+    assert all(g.abs().sum() > 0 for g in chunked)
+
+
+def _v(models, policy, whole, x0, noise, sigma, guidance=1.0):
+    from miles.algorithms.matching import noised, velocity
+
+    return velocity(models, policy, noised(x0, noise, sigma), sigma, whole, guidance)
+
+
+def test_dgpo_accumulate_matches_the_whole_step_loss():
+    from miles.config import DGPOConfig
+
+    algo, policy, batch, chunks, whole, (trained, ref, old) = _setup(
+        {"dgpo": DGPOConfig(clip_range=0.05, kl_beta=0.1)}, "dgpo"
+    )
+    adv, gids = batch["advantages"], batch["group_ids"]
+
+    def loss(x0, noise, sigma):
+        v = _v([trained], policy, whole, x0, noise, sigma)
+        e = matching_error(v, x0, noise)
+        with torch.no_grad():
+            v_ref = _v([ref], policy, whole, x0, noise, sigma)
+            e_ref, e_old = (
+                matching_error(v_ref, x0, noise),
+                matching_error(_v([old], policy, whole, x0, noise, sigma), x0, noise),
+            )
+            # written out: per group, sigmoid(β Σ A (e − e_ref) / n); the clip as the reference forms it
+            w = torch.stack(
+                [
+                    torch.sigmoid(100.0 * (adv[gids == gids[i]] * (e - e_ref)[gids == gids[i]]).mean())
+                    for i in range(8)
+                ]
+            )
+            ratio = torch.exp(e_old - e)
+            clip = torch.where(adv > 0, ratio > 1.05, ratio < 0.95)
+        dsm = torch.where(clip, e.detach(), e)
+        return (w * adv * dsm).mean() + 0.1 * ((v - v_ref) ** 2).mean()
+
+    _compare(algo, policy, batch, chunks, whole, trained, 4, (14, 13), "group_ids", loss)
+
+
+def test_online_dpo_accumulate_matches_the_whole_step_loss():
+    from miles.config import DPOConfig
+
+    algo, policy, batch, chunks, whole, (trained, ref, _) = _setup(
+        {"dpo": DPOConfig(pairs="margin", reward_margin=0.15, beta=20.0)}, "online_dpo"
+    )
+    # ordered by advantage, rewards > 0.15 apart: not (1, 3) (0.1 apart) nor 6, 7 (tied advantages)
+    pairs = [[(0, 1), (0, 2), (0, 3), (2, 1), (2, 3)], [(4, 5), (4, 6), (4, 7), (6, 5), (7, 5)]]
+    assert select_pairs(batch["advantages"], batch["rewards"], batch["group_ids"], "margin", 0.15) == pairs
+
+    def loss(x0, noise, sigma):
+        e = matching_error(_v([trained], policy, whole, x0, noise, sigma), x0, noise)
+        with torch.no_grad():
+            e_ref = matching_error(_v([ref], policy, whole, x0, noise, sigma), x0, noise)
+        d = e - e_ref
+        per_group = [
+            torch.stack([-F.logsigmoid(-10.0 * (d[w] - d[lo])) for w, lo in grp]).mean() for grp in pairs
+        ]
+        return torch.stack(per_group).mean()
+
+    _compare(algo, policy, batch, chunks, whole, trained, 4, (15, 16), "group_ids", loss)
+
+
+def test_awm_accumulate_matches_the_whole_step_loss():
+    from miles.config import AWMConfig
+
+    awm = AWMConfig(weighting="t", kl_beta=0.1, ema_kl_beta=0.5)
+    algo, policy, batch, chunks, whole, (trained, ref, old) = _setup({"awm": awm}, "awm")
+    adv = batch["advantages"] / 5.0  # rescaled to advantage_max 1 of adv_clip_max 5
+
+    def loss(x0, noise, sigma):
+        v = _v([trained], policy, whole, x0, noise, sigma)
+        with torch.no_grad():
+            v_ref, v_old = (
+                _v([ref], policy, whole, x0, noise, sigma),
+                _v([old], policy, whole, x0, noise, sigma),
+            )
+        matching = (adv * sigma * matching_error(v, x0, noise)).mean()  # −A·lp with lp = −σ·e
+        return matching + 0.1 * ((v - v_ref) ** 2).mean() + 0.5 * ((v - v_old) ** 2).mean()
+
+    _compare(algo, policy, batch, chunks, whole, trained, 4, (11, 12), "sample_ids", loss)
