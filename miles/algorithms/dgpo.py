@@ -35,6 +35,7 @@ from torch import Tensor
 from miles.algorithms import register_algorithm
 from miles.algorithms.base import Algorithm, Policy
 from miles.algorithms.matching import (
+    check_group_per_step,
     check_num_levels,
     forward_noise,
     level_candidates,
@@ -95,6 +96,7 @@ class DGPO(Algorithm):
             raise ValueError(f"dgpo.old_decay_max must be in [0, 1), got {d.old_decay_max}")
         r = cfg.rollout
         self.candidates = level_candidates(r.num_steps, r.shift, d.timestep_fraction)
+        check_group_per_step("dgpo", cfg)
         check_num_levels("dgpo", d.num_levels, self.candidates)
 
     def sde_steps(self, num_steps: int, generator: torch.Generator) -> list[int]:

@@ -46,6 +46,17 @@ def check_num_levels(section: str, num_levels: int, candidates: Tensor) -> None:
         )
 
 
+def check_group_per_step(name: str, cfg) -> None:
+    """Group-coupled losses (DGPO, DPO) need at least two of a group's samples in each optimizer step."""
+    G, steps = cfg.data.group_size, cfg.train.steps_per_rollout
+    if G % steps == 0 and G // steps < 2:
+        raise ValueError(
+            f"algorithm.name {name} compares samples within a group, but train.steps_per_rollout = {steps} "
+            f"splits each group of data.group_size = {G} into steps of {G // steps} sample: lower "
+            f"train.steps_per_rollout (1 keeps whole groups) or raise data.group_size"
+        )
+
+
 def draw_levels(candidates: Tensor, num_levels: int, generator: torch.Generator) -> Tensor:
     """``num_levels`` of ``candidates`` without replacement, in the generator's order."""
     return candidates[torch.randperm(len(candidates), generator=generator)[:num_levels]]

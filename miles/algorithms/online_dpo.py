@@ -32,6 +32,7 @@ from torch import Tensor
 from miles.algorithms import register_algorithm
 from miles.algorithms.base import Algorithm, Policy
 from miles.algorithms.matching import (
+    check_group_per_step,
     check_num_levels,
     forward_noise,
     level_candidates,
@@ -94,6 +95,7 @@ class OnlineDPO(Algorithm):
         self.uses_reference = not self.uses_old_policy
         r = cfg.rollout
         self.candidates = level_candidates(r.num_steps, r.shift, cfg.dpo.timestep_fraction)
+        check_group_per_step("online_dpo", cfg)
         check_num_levels("dpo", cfg.dpo.num_levels, self.candidates)
 
     def sde_steps(self, num_steps: int, generator: torch.Generator) -> list[int]:

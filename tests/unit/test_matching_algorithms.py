@@ -314,3 +314,43 @@ def test_awm_accumulate_matches_the_whole_step_loss():
         return matching + 0.1 * ((v - v_ref) ** 2).mean() + 0.5 * ((v - v_old) ** 2).mean()
 
     _compare(algo, policy, batch, chunks, whole, trained, 4, (11, 12), "sample_ids", loss)
+
+
+@pytest.mark.parametrize(
+    "name,sections,match",
+    [
+        ("awm", {"awm": {"num_levels": 6}}, r"awm.num_levels = 6 must be in \[1, 5\]"),
+        ("dgpo", {"dgpo": {"num_levels": 5}}, r"dgpo.num_levels = 5 must be in \[1, 4\]"),
+        (
+            "online_dpo",
+            {"train": {"steps_per_rollout": 4}},
+            "splits each group of data.group_size = 4 into steps of 1",
+        ),
+        ("dgpo", {"train": {"steps_per_rollout": 4}}, "lower train.steps_per_rollout"),
+    ],
+)
+def test_bad_settings_name_the_fix(name, sections, match):
+    """On the 6-step tiny recipe: 5 candidate levels for AWM (0.9), 4 for DGPO (0.7)."""
+    from miles.algorithms import build_algorithm
+    from miles.config import (
+        AlgorithmConfig,
+        AWMConfig,
+        Config,
+        DataConfig,
+        DGPOConfig,
+        RolloutConfig,
+        TrainConfig,
+    )
+
+    classes = {"awm": AWMConfig, "dgpo": DGPOConfig, "train": TrainConfig}
+    kwargs = {k: classes[k](**v) for k, v in sections.items()}
+    if "train" in kwargs:
+        kwargs["train"].micro_batch_size = 2
+    cfg = Config(
+        algorithm=AlgorithmConfig(name=name),
+        rollout=RolloutConfig(num_steps=6),
+        data=DataConfig(group_size=4, prompts_per_rank=2),
+        **kwargs,
+    )
+    with pytest.raises(ValueError, match=match):
+        build_algorithm(cfg)
