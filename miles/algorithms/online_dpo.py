@@ -129,18 +129,15 @@ class OnlineDPO(Algorithm):
         return matching_error(v, x0_g, noise_g), matching_error(v_ref, x0_g, noise_g)
 
     def _pairs(self, batch: dict, chunks: list[dict]) -> list[list]:
+        """The step's pairs; the margin is on the trained rewards the trainer adds to the batch
+        (``rewards``; without them only the advantages' order counts, and a margin is refused)."""
         d = self.dpo
         cat = lambda key: torch.cat([batch[key][c["slice"]].cpu() for c in chunks])  # noqa: E731
-        if d.reward_margin > 0 and "rewards" not in batch:
+        if "rewards" not in batch and d.reward_margin > 0:
             raise ValueError("dpo.reward_margin needs the rollout's rewards (batch['rewards'])")
-        rewards = (
-            cat("rewards")
-            if "rewards" in batch
-            else torch.zeros(sum(c["rollout"].final_latents.shape[0] for c in chunks))
-        )
-        return select_pairs(
-            cat("advantages").float(), rewards.float(), cat("group_ids"), d.pairs, d.reward_margin
-        )
+        adv = cat("advantages").float()
+        rewards = cat("rewards").float() if "rewards" in batch else adv
+        return select_pairs(adv, rewards, cat("group_ids"), d.pairs, d.reward_margin)
 
     def accumulate(self, policy: Policy, batch: dict, chunks: list[dict]) -> dict[str, float]:
         d = self.dpo
