@@ -139,6 +139,11 @@ class OnlineDPO(Algorithm):
         rewards = cat("rewards").float() if "rewards" in batch else adv
         return select_pairs(adv, rewards, cat("group_ids"), d.pairs, d.reward_margin)
 
+    def _noise(self, policy: Policy, batch: dict, chunk: dict, x0: Tensor, level: int) -> Tensor:
+        """A group's samples share the level's noise, so a pair's members see the same ε."""
+        keys = batch["group_ids"][chunk["slice"]].tolist()
+        return forward_noise(policy, keys, x0.shape[1:], 16, batch["rollout_index"], level).to(x0.device)
+
     def accumulate(self, policy: Policy, batch: dict, chunks: list[dict]) -> dict[str, float]:
         d = self.dpo
         pairs = self._pairs(batch, chunks)
@@ -147,17 +152,7 @@ class OnlineDPO(Algorithm):
         sums["pairs_per_group"] = sum(len(p) for p in pairs) / len(pairs)
         x0s = [c["rollout"].final_latents.float() for c in chunks]
         for level, sigma in enumerate(sigmas):
-            noises = [
-                forward_noise(
-                    policy,
-                    batch["group_ids"][c["slice"]].tolist(),
-                    x0.shape[1:],
-                    16,
-                    batch["rollout_index"],
-                    level,
-                ).to(x0.device)
-                for c, x0 in zip(chunks, x0s)
-            ]
+            noises = [self._noise(policy, batch, c, x0, level) for c, x0 in zip(chunks, x0s)]
             errs = [self._errors(policy, c, x0, n, sigma) for c, x0, n in zip(chunks, x0s, noises)]
             err, err_ref = (torch.cat([e[k] for e in errs]) for k in (0, 1))
             coef, loss, z = dpo_coefficients(err, err_ref, pairs, d.beta)

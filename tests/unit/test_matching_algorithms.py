@@ -200,6 +200,7 @@ def _setup(section: dict, name: str):
     n = 8  # two groups of 4, in micro-batches of 3, 3, 2 (a group spans micro-batches)
     x0 = torch.randn(n, 2, 1, 2, 2, generator=g)
     pos = torch.randn(n, 3, 4, generator=g)
+    neg = torch.randn(1, 3, 4, generator=g)  # the negative prompt, batch 1 as the prompt cache gives it
     adv = torch.tensor([1.2, -0.4, 0.3, -1.1, 0.7, -0.9, 0.1, 0.1])
     batch = {
         "rollout_index": 3,
@@ -211,10 +212,10 @@ def _setup(section: dict, name: str):
     }
     slices = [slice(0, 3), slice(3, 6), slice(6, 8)]
     chunks = [
-        {"slice": s, "pos": pos[s], "neg": None, "rollout": SimpleNamespace(final_latents=x0[s])}
+        {"slice": s, "pos": pos[s], "neg": neg, "rollout": SimpleNamespace(final_latents=x0[s])}
         for s in slices
     ]
-    whole = {"slice": slice(0, n), "pos": pos, "neg": None, "rollout": SimpleNamespace(final_latents=x0)}
+    whole = {"slice": slice(0, n), "pos": pos, "neg": neg, "rollout": SimpleNamespace(final_latents=x0)}
     return build_algorithm(cfg), policy, batch, chunks, whole, (trained, reference, old)
 
 
@@ -241,11 +242,13 @@ def _v(models, policy, whole, x0, noise, sigma, guidance=1.0):
     return velocity(models, policy, noised(x0, noise, sigma), sigma, whole, guidance)
 
 
-def test_dgpo_accumulate_matches_the_whole_step_loss():
+@pytest.mark.parametrize("ref_guidance", [1.0, 3.0], ids=["reference-without-cfg", "reference-with-cfg"])
+def test_dgpo_accumulate_matches_the_whole_step_loss(ref_guidance):
+    """Both modes: the reference without CFG, and with CFG 3 (the fully CFG-free mode's target)."""
     from miles.config import DGPOConfig
 
     algo, policy, batch, chunks, whole, (trained, ref, old) = _setup(
-        {"dgpo": DGPOConfig(clip_range=0.05, kl_beta=0.1)}, "dgpo"
+        {"dgpo": DGPOConfig(clip_range=0.05, kl_beta=0.1, reference_guidance_scale=ref_guidance)}, "dgpo"
     )
     adv, gids = batch["advantages"], batch["group_ids"]
 
@@ -253,7 +256,12 @@ def test_dgpo_accumulate_matches_the_whole_step_loss():
         v = _v([trained], policy, whole, x0, noise, sigma)
         e = matching_error(v, x0, noise)
         with torch.no_grad():
-            v_ref = _v([ref], policy, whole, x0, noise, sigma)
+            v_ref = _v([ref], policy, whole, x0, noise, sigma, ref_guidance)
+            if ref_guidance > 1:  # written out: v_uncond + g (v_cond − v_uncond)
+                x_t = (1 - sigma) * x0 + sigma * noise
+                t = (sigma * 1000).expand(8)
+                cond, uncond = ref(x_t, t, whole["pos"])[0], ref(x_t, t, whole["neg"].expand(8, 3, 4))[0]
+                torch.testing.assert_close(v_ref, uncond + ref_guidance * (cond - uncond))
             e_ref, e_old = (
                 matching_error(v_ref, x0, noise),
                 matching_error(_v([old], policy, whole, x0, noise, sigma), x0, noise),
