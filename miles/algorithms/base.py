@@ -62,7 +62,10 @@ class Algorithm(abc.ABC):
     def accumulate(self, policy: Policy, batch: dict, chunks: list[dict]) -> dict[str, float]:
         """Backpropagate the loss of one optimizer step over ``chunks`` (its micro-batches of the
         rollout ``batch``; ``batch["step_in_rollout"]`` is the step's index in the rollout) into
-        the gradients. Every rank must run the same experts in the same order (FSDP's collectives
+        the gradients. Per sample of this rank, ``batch`` holds ``advantages`` (group-normalised,
+        negated for the negative control), ``rewards`` (the trained reward), ``group_ids`` and
+        ``sample_ids`` (global indices); each chunk its ``slice`` of them, ``pos``/``neg`` text
+        embeddings, the ``rollout`` record and the image ``condition``. Every rank must run the same experts in the same order (FSDP's collectives
         pair up by call order), so anything that routes a pass is drawn alike on every rank.
         Return the step's metrics (sample-weighted means), with ``loss`` among them and
         ``log_prob_mean_abs_diff`` where the algorithm has one."""
