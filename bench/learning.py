@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -132,8 +133,11 @@ def read_run(run_dir: Path, wall_s: float) -> dict:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
     t0 = evals[0]["time"] - evals[0]["time/eval_s"]
+    final = json.loads((run_dir / "eval" / f"step_{evals[-1]['step']:06d}.json").read_text())["samples"]
     return {
         "wall_s": wall_s,
+        # the final evaluation's weighted reward per (prompt, seed), for paired comparisons
+        "final_scores": [r["reward"] for r in sorted(final, key=lambda r: (r["prompt"], r["seed"]))],
         "train": [{"step": r["step"], "reward": r["reward/mean"]} for r in rows if "reward/mean" in r],
         "eval": [
             {
@@ -206,12 +210,32 @@ def table(results: dict, target: float) -> str:
         ("DiffusionNFT", "nft-dp4", 3),
         ("AWM", "awm-dp4", 5),
         ("DGPO", "dgpo-dp4", 5),
+        ("DGPO", "cfg-dgpo-dp4", 5),
     ):
         for grpo in ("dp4", "cfg-dp4"):
             if grpo in results and run in results:
                 lines.append("")
                 lines.append(speedup_vs_grpo(grpo, results[grpo], label, run, results[run], divisor))
+    for name in results:
+        if name.endswith("-negated") and name.removesuffix("-negated") in results:
+            lines.append("")
+            lines.append(versus_negated(name.removesuffix("-negated"), results))
     return "\n".join(lines)
+
+
+def versus_negated(name: str, results: dict, z: float = 3.0) -> str:
+    """The trained run against its negated twin on the same held-out samples: the mean paired
+    separation of the final evaluation and its standard error (the learning test's criterion)."""
+    a, b = results[name]["final_scores"], results[f"{name}-negated"]["final_scores"]
+    diffs = [x - y for x, y in zip(a, b)]
+    n = len(diffs)
+    mean = sum(diffs) / n
+    se = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1) / n) if n > 1 else float("nan")
+    ok = mean > z * se
+    return (
+        f"{name} vs {name}-negated: final held-out separation {mean:+.3f} (paired SE {se:.3f}, "
+        f"{mean / se if se else float('inf'):.1f} SE over {n} samples): target > {z:g} SE {'met' if ok else 'missed'}."
+    )
 
 
 def speedup_vs_grpo(name: str, grpo: dict, label: str, run: str, other: dict, divisor: int) -> str:
