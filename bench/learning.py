@@ -36,7 +36,9 @@ recipe (its one reward at weight 1).
 Writes ``learning.json`` (per run: per-step training reward, every held-out evaluation with its
 step and wall time, the run's wall time), ``learning.png`` (held-out adherence against optimizer
 steps and against wall time; training reward) and ``learning.md`` (a table). ``--target`` states
-the goal the table checks: held-out error 1 − adherence at most half the baseline's.
+the goal the table checks: held-out error 1 − adherence at most half the baseline's. The table
+ends with the time targets against Flow-GRPO and, for every run whose negated twin ran in the same
+invocation, their final held-out separation in paired standard errors.
 """
 
 from __future__ import annotations
