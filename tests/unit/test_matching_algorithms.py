@@ -3,10 +3,10 @@ against float64 re-derivations of their formulas.
 
 The golden values were produced outside this repository by running the references' own loss code
 on the inputs ``_inputs`` builds (the same generator seeds, float64):
-scxue/advantage_weighted_matching ``compute_log_prob_awm`` (commit 12b1397) with its training
+scxue/advantage_weighted_matching ``compute_log_prob_awm`` (commit be51372) with its training
 loop's advantage rescale and exp_first clipped loss; Luo-Yihong/DGPO
-``compute_group_dgpo_loss_allreduce`` (commit 4894284, one gloo process) with its ``clip_dsm``
-lines; flow_grpo ``scripts/train_sd3_dpo.py``'s loss lines (chosen/rejected halves, shared noise).
+``compute_group_dgpo_loss_allreduce`` (commit 01ceb4b, one gloo process) with its ``clip_dsm``
+lines; flow_grpo (commit ac4c86e) ``scripts/train_sd3_dpo.py``'s loss lines (chosen/rejected halves, shared noise).
 Each test compares the loss and two functionals of its gradient with respect to the velocity
 (Σ g², Σ g·x0).
 
