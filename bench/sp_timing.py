@@ -63,7 +63,7 @@ def build(model: str, sp: int, ulysses: int, device, compile_blocks: bool, check
     from miles.parallel.fsdp import apply_fsdp
     from miles.parallel.topology import ParallelDims, build_parallel_mesh, resolve_ulysses_degree
     from miles.sequence_parallel import apply_sequence_parallel, sequence_parallel_plan
-    from miles.train.trainer import default_attention_backend
+    from miles.train.plan import default_attention_backend
 
     config = model_spec(model)["transformer"]
     torch.manual_seed(0)

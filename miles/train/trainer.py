@@ -33,11 +33,10 @@ from tqdm import tqdm
 
 from miles.algorithms import Policy, build_algorithm
 from miles.config import Config
-from miles.data.prompts import TINY_PROMPTS, GroupSampler, check_prompt_images, load_prompts
+from miles.data.prompts import GroupSampler
 from miles.eval import evaluate, summarize, write_eval
 from miles.eval.evaluate import eval_settings, grid_caption
 from miles.grpo.advantages import group_advantages
-from miles.models.i2v import run_condition_mode
 from miles.models.sharded_load import (
     RandomInit,
     WeightFiles,
@@ -51,31 +50,20 @@ from miles.models.wan import (
     DTYPES,
     WanModel,
     calibrate_block_memory,
-    check_wan_folder,
     load_wan,
-    resolve_model_path,
-    transformer_config,
 )
 from miles.parallel.checkpointing import checkpoint_modes
 from miles.parallel.compile import resolve_compile
 from miles.parallel.fsdp import apply_fsdp, unsharded_for_rollout
-from miles.parallel.memory_budget import (
-    ALLOCATOR_SLACK,
-    ResidentMemory,
-    activation_budget,
-    count_sde_steps,
-    model_sizes,
-    rollout_shape,
-)
-from miles.parallel.topology import ParallelDims, build_parallel_mesh, resolve_ulysses_degree
-from miles.parallel.topology_checks import check_ulysses_within_node, local_world_size_from_env
+from miles.parallel.topology import build_parallel_mesh
+from miles.parallel.topology_checks import local_world_size_from_env
 from miles.rewards.base import resident_bytes
 from miles.rewards.from_config import build_configured_rewards
 from miles.rewards.shaping import EvalRewards, shaped_reward
 from miles.rollout.condition import conditions_of
 from miles.rollout.prompt_cache import PromptCache
 from miles.rollout.sampler import begin_sampling, expert_phases
-from miles.sequence_parallel import apply_sequence_parallel, validate_sp_args
+from miles.sequence_parallel import apply_sequence_parallel
 from miles.train.checkpoint import (
     checkpoint_error_reason,
     has_ema,
@@ -89,10 +77,18 @@ from miles.train.ema import EMA
 from miles.train.export import export_pipeline
 from miles.train.fingerprint import model_fingerprint
 from miles.train.logging import MetricsLogger, configure_library_progress, print0, show_progress
+from miles.train.memory_budget import (
+    ALLOCATOR_SLACK,
+    ResidentMemory,
+    activation_budget,
+    count_sde_steps,
+    model_sizes,
+    rollout_shape,
+)
 from miles.train.old_policy import OldPolicy
 from miles.train.overlap import decode_and_score
-from miles.train.resume import resume_checkpoint
-from miles.train.run_dir import check_run_dir, clear_run_dir
+from miles.train.plan import plan_run
+from miles.train.run_dir import clear_run_dir
 from miles.train.stop import GracefulStop, StopRequested, maybe_inject_signal
 from miles.train.videos import to_uint8
 
@@ -134,13 +130,6 @@ def init_distributed(timeout_s: float) -> torch.device:
     return torch.device("cpu")
 
 
-def default_attention_backend(device: torch.device) -> str | None:
-    """cudnn SDPA on CUDA (1.8x faster than flash for Wan shapes on H100/H200), else diffusers' default."""
-    if device.type == "cuda":
-        return "_native_cudnn"
-    return None
-
-
 def peak_memory_gib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
@@ -169,13 +158,19 @@ class Trainer:
         self.progress = show_progress(cfg.run.progress)  # rank 0, on a terminal
         configure_library_progress(self.progress)
 
-        self.run_dir = Path(cfg.run.output_dir) / cfg.run.name
-        check_run_dir(self.run_dir, cfg.train.resume, cfg.train.overwrite)
+        # Everything that can be refused is checked before the model is moved or a rollout runs, by
+        # the run plan the dry run prints (miles.train.plan), identically on every rank.
+        self.plan = plan_run(
+            cfg,
+            self.world_size,
+            local_world_size=local_world_size_from_env(),
+            device_type=self.device.type,
+            strict=True,
+        )
+        self.run_dir, self.dims = self.plan.run_dir, self.plan.dims
+        self.attention_backend = self.plan.attention_backend
         # The checkpoint to resume: whole, and saved with this model, adapters, prompts, seed, algorithm.
-        self.resume_from = resume_checkpoint(self.run_dir, cfg) if cfg.train.resume else None
-        # Everything that can be refused is checked before the model is moved or a rollout runs;
-        # the layout first, from the model folder's config JSON, identically on every rank.
-        self._check_layout()
+        self.resume_from = self.plan.resume_from
         self._load_inputs()
         # The transformers come as meta skeletons: _parallelize shards them, then loads each rank's shards.
         self.model: WanModel = load_wan(cfg.model, self.device, experts="skeleton", seed=cfg.run.seed)
@@ -283,17 +278,12 @@ class Trainer:
             )
 
     def _load_inputs(self) -> None:
-        """The prompts (training and held-out, and their images for image-to-video) and the rewards:
-        refused here when malformed."""
-        cfg = self.cfg
-        self.prompts = load_prompts(cfg.data.prompt_file or TINY_PROMPTS)
-        held_out = load_prompts(cfg.eval.prompt_file) if cfg.eval.prompt_file else []
-        self.eval_prompts = [p.text for p in held_out]
-        # Image-to-video: every prompt's image is opened now, before any weights load.
-        image_to_video = run_condition_mode(cfg.model, cfg.data.max_sequence_length) is not None
-        check_prompt_images(self.prompts, cfg.data.prompt_file or TINY_PROMPTS, image_to_video)
-        check_prompt_images(held_out, cfg.eval.prompt_file, image_to_video)
-        self.eval_images = [p.image for p in held_out] if image_to_video else None
+        """The prompts (training and held-out, and their images for image-to-video), loaded and
+        checked by the plan, and the rewards."""
+        cfg, plan = self.cfg, self.plan
+        self.prompts = plan.prompts
+        self.eval_prompts = [p.text for p in plan.held_out]
+        self.eval_images = [p.image for p in plan.held_out] if plan.image_to_video else None
         held_out = (
             f", {len(self.eval_prompts)} held-out from {cfg.eval.prompt_file}" if self.eval_prompts else ""
         )
@@ -302,11 +292,6 @@ class Trainer:
             + held_out
         )
         self.rewards, self.gold_rewards = build_configured_rewards(cfg.reward, self.device)
-        if self.rewards.needs_images and not image_to_video:
-            raise ValueError(
-                f"reward.weights {sorted(cfg.reward.weights)}: a reward scores against each sample's given "
-                "first frame, but the model is text-to-video; use an image-to-video model (model.task i2v)"
-            )
 
     def _score_inputs(self, batch: dict, sl: slice) -> tuple:
         """What the rewards score a micro-batch's videos against: its prompts, and for
@@ -315,38 +300,10 @@ class Trainer:
             return (batch["prompts"][sl],)
         return (batch["prompts"][sl], batch["images"][sl])
 
-    def _check_layout(self) -> None:
-        """dp x sp, Ulysses x ring, the attention backend: from the config and the model folder's
-        ``transformer/config.json``, before any weights load (every rank raises the same error)."""
-        path = resolve_model_path(self.cfg.model)
-        check_wan_folder(path)
-        heads = int(transformer_config(path)["num_attention_heads"])
-        self.dims = self._parallel_dims(heads)
-        check_ulysses_within_node(self.dims, local_world_size_from_env())
-        self.attention_backend = self.cfg.parallel.fsdp_attention_backend or default_attention_backend(
-            self.device
-        )
-        validate_sp_args(self.dims, self.attention_backend, model_backend=WanModel)
-
-    def _parallel_dims(self, num_attention_heads: int) -> ParallelDims:
-        p = self.cfg.parallel
-        if self.world_size % p.sequence_parallel_size:
-            raise ValueError(
-                f"world size {self.world_size} is not divisible by --sequence-parallel-size "
-                f"{p.sequence_parallel_size}; launch a multiple of it (torchrun --nproc-per-node)"
-            )
-        ulysses = resolve_ulysses_degree(p.sequence_parallel_size, p.ulysses_degree, num_attention_heads)
-        return ParallelDims(
-            world_size=self.world_size,
-            sequence_parallel_size=p.sequence_parallel_size,
-            ulysses_degree=ulysses,
-            replicate_size=p.replicate_size,
-        )
-
     def _checkpoint_modes(self, transformer: nn.Module) -> list[str]:
         """Per-block activation checkpointing; ``budget`` calibrates one block on CUDA and fits the
         activations into what the per-rank total budget leaves after everything resident
-        (:mod:`miles.parallel.memory_budget`), so that the peak stays within the budget."""
+        (:mod:`miles.train.memory_budget`), so that the peak stays within the budget."""
         cfg = self.cfg.model
         n = len(transformer.blocks)
         if cfg.activation_checkpointing != "budget":

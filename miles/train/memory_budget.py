@@ -65,6 +65,8 @@ __all__ = [
     "ResidentMemory",
     "RolloutShape",
     "activation_budget",
+    "activation_bytes",
+    "block_bytes_per_token",
     "cfg_factor",
     "count_sde_steps",
     "model_sizes",
@@ -362,3 +364,58 @@ def rollout_shape(cfg, model, sp: int, num_sde_steps: int) -> RolloutShape:
         cfg_factor=cfg_factor(cfg, len(model.transformers)),
         text_tokens=cfg.data.max_sequence_length,
     )
+
+
+def block_bytes_per_token(
+    D: int, F: int, b: int, compiled: bool = False, per_token_timesteps: bool = False
+) -> dict[str, float]:
+    """Bytes one Wan block keeps for backward per token, per checkpointing mode (see the module docstring)."""
+    return {
+        # compiled: Inductor recomputes the fp32 element-wise outputs instead of saving them, the
+        # per-token modulation products (eager: +32·D) among them
+        "none": (18 * b * D if compiled else (52 + 9 * b + 32 * per_token_timesteps) * D) + 2 * F * b,
+        "selective": (9.3 * D + F) * b,
+        "attention": 3 * D * b,  # self/cross attention outputs and the block input
+        "full": D * b,
+    }
+
+
+def activation_bytes(
+    cfg,
+    *,
+    L: int,
+    tokens: int,
+    D: int,
+    F: int,
+    b: int,
+    compiled: bool = False,
+    per_token_timesteps: bool = False,
+    activation_budget_bytes: float = 0.0,
+) -> tuple[float, str]:
+    """Training activations of one expert's forward over ``tokens`` (micro batch x CFG x T), and a note.
+    ``activation_budget_bytes``: with ``budget``, what the per-rank total leaves for activations
+    (:func:`activation_budget`), as the trainer computes it."""
+    mode = cfg.model.activation_checkpointing
+    if isinstance(mode, bool):  # older configs: a switch for full checkpointing
+        mode = "full" if mode else "none"
+    per_block = block_bytes_per_token(D, F, b, compiled, per_token_timesteps)
+    per_block = {k: v * tokens for k, v in per_block.items()}
+    if mode == "budget":
+        from miles.parallel.checkpointing import plan_modes
+
+        budget = cfg.model.activation_memory_budget_gib
+        try:
+            modes = plan_modes(L, per_block, activation_budget_bytes)
+        except ValueError as e:
+            raise MemoryBudgetError(f"activation budget (estimated): {e}") from None
+        counts = {m: modes.count(m) for m in ("none", "selective", "attention", "full") if modes.count(m)}
+        note = (
+            f"budget {budget:g} GiB total ({activation_budget_bytes / GIB:.1f} for activations) -> "
+            + ", ".join(f"{n} {m}" for m, n in counts.items())
+        )
+    else:
+        modes, note = [mode] * L, mode
+    total = sum(per_block[m] for m in modes)
+    if any(m != "none" for m in modes):
+        total += per_block["none"]  # one block's activations while it is recomputed
+    return total, note
