@@ -4,9 +4,9 @@
 GPU must fit in it, at every phase. :class:`ResidentMemory` accounts for what is not training
 activations, term by term (bytes per rank); :func:`activation_budget` gives activation
 checkpointing what is left and refuses, before any heavy work, a budget that the rollout alone
-cannot meet. The trainer (``Trainer._checkpoint_modes``) and the dry run (``miles/train/dry_run.py``)
-both build it with :meth:`ResidentMemory.of`, so the estimate the dry run prints and the plan the
-trainer picks agree.
+cannot meet. The run plan (``miles/train/plan.py``), which the trainer runs and the dry run
+prints, builds it with :meth:`ResidentMemory.of`, so the estimate the dry run prints and the plan
+the trainer picks agree.
 
 Notation: S = the FSDP shard group size (W, or W / replicate_size under HSDP: replicas each hold a
 full set of shards), N = parameters of all experts (base), N_t = trainable parameters (all of N for a

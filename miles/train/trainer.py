@@ -37,24 +37,13 @@ from miles.data.prompts import GroupSampler
 from miles.eval import evaluate, summarize, write_eval
 from miles.eval.evaluate import eval_settings, grid_caption
 from miles.grpo.advantages import group_advantages
-from miles.models.sharded_load import (
-    RandomInit,
-    WeightFiles,
-    add_lora,
-    build_skeleton,
-    cast_frozen,
-    copy_local_shards,
-    materialize,
-)
 from miles.models.wan import (
     DTYPES,
     WanModel,
-    calibrate_block_memory,
     load_wan,
 )
-from miles.parallel.checkpointing import checkpoint_modes
 from miles.parallel.compile import resolve_compile
-from miles.parallel.fsdp import apply_fsdp, unsharded_for_rollout
+from miles.parallel.fsdp import unsharded_for_rollout
 from miles.parallel.topology import build_parallel_mesh
 from miles.parallel.topology_checks import local_world_size_from_env
 from miles.rewards.base import resident_bytes
@@ -63,7 +52,6 @@ from miles.rewards.shaping import EvalRewards, shaped_reward
 from miles.rollout.condition import conditions_of
 from miles.rollout.prompt_cache import PromptCache
 from miles.rollout.sampler import begin_sampling, expert_phases
-from miles.sequence_parallel import apply_sequence_parallel
 from miles.train.checkpoint import (
     checkpoint_error_reason,
     has_ema,
@@ -78,15 +66,11 @@ from miles.train.export import export_pipeline
 from miles.train.fingerprint import model_fingerprint
 from miles.train.logging import MetricsLogger, configure_library_progress, print0, show_progress
 from miles.train.memory_budget import (
-    ALLOCATOR_SLACK,
     ResidentMemory,
-    activation_budget,
-    count_sde_steps,
-    model_sizes,
-    rollout_shape,
 )
 from miles.train.old_policy import OldPolicy
 from miles.train.overlap import decode_and_score
+from miles.train.parallelize import compute_dtype, parallelize
 from miles.train.plan import plan_run
 from miles.train.run_dir import clear_run_dir
 from miles.train.stop import GracefulStop, StopRequested, maybe_inject_signal
@@ -194,7 +178,7 @@ class Trainer:
             seed=cfg.run.seed,
         )
         # fp32 master weights; FSDP2 casts to the compute dtype (None: compute in fp32).
-        self.compute_dtype = None if cfg.model.dtype == "float32" else DTYPES[cfg.model.dtype]
+        self.compute_dtype = compute_dtype(cfg)
         self.compile_blocks = resolve_compile(cfg.model.compile, self.device)
         # torch >= 2.12 warns on every rank that the transformer's output is a view (an in-place
         # op on it would skip FSDP2's pre-backward hook). The trainer never modifies it in place.
@@ -203,7 +187,17 @@ class Trainer:
         )
         self.num_tokens = self.model.num_tokens(cfg.rollout.num_frames, cfg.rollout.height, cfg.rollout.width)
         self.algorithm = build_algorithm(cfg)
-        self._parallelize()
+        experts = parallelize(
+            self.model,
+            self.plan,
+            self.mesh,
+            self.device,
+            self._resident_memory(),
+            uses_old_policy=self.algorithm.uses_old_policy,
+            uses_reference=self.algorithm.uses_reference,
+        )
+        self.old_policy = OldPolicy(experts.old, experts.policy) if experts.old else None
+        self.reference = experts.reference
         self.policy = Policy(
             transformers=self.model.transformers,
             guidance_scales=self._guidance_scales(),
@@ -300,146 +294,11 @@ class Trainer:
             return (batch["prompts"][sl],)
         return (batch["prompts"][sl], batch["images"][sl])
 
-    def _checkpoint_modes(self, transformer: nn.Module) -> list[str]:
-        """Per-block activation checkpointing; ``budget`` calibrates one block on CUDA and fits the
-        activations into what the per-rank total budget leaves after everything resident
-        (:mod:`miles.train.memory_budget`), so that the peak stays within the budget."""
-        cfg = self.cfg.model
-        n = len(transformer.blocks)
-        if cfg.activation_checkpointing != "budget":
-            return checkpoint_modes(cfg.activation_checkpointing, n)
-        budget = cfg.activation_memory_budget_gib * 2**30
-        left = activation_budget(budget, self.resident)  # refuses a rollout that cannot fit
-        if self.device.type != "cuda":
-            return checkpoint_modes("selective", n)
-        # The calibration's random inputs must not move the RNG the LoRA adapters are drawn from.
-        with torch.random.fork_rng(devices=[self.device]):
-            block_bytes = calibrate_block_memory(
-                transformer,
-                -(-self.num_tokens // self.dims.sp),
-                self.device,
-                batch=2 * self.cfg.train.micro_batch_size,  # CFG doubles the batch
-                dtype=self.compute_dtype or torch.float32,
-                compiled=self.compile_blocks,
-                per_token_timesteps=self.model.expand_timesteps,
-            )
-        modes = checkpoint_modes("budget", n, left, block_bytes)
-        print0(
-            f"[miles] activation checkpointing for a {cfg.activation_memory_budget_gib} GiB budget "
-            f"({self.resident.train_fixed / 2**30:.1f} GiB resident in training, "
-            f"{self.resident.rollout_peak / 2**30:.1f} GiB rollout peak, {ALLOCATOR_SLACK:.0%} slack): "
-            + ", ".join(f"{m} x{modes.count(m)}" for m in dict.fromkeys(modes))
-            + " (one block keeps "
-            + ", ".join(f"{m} {b / 2**30:.2f}" for m, b in block_bytes.items())
-            + " GiB)"
-        )
-        return modes
-
     def _resident_memory(self) -> ResidentMemory:
-        """The per-rank resident terms (weights, optimizer, rollout, decode...) of this run, from the
-        loaded modules' parameter counts (LoRA adapters installed, nothing sharded yet)."""
-        pipe = self.model.pipeline
-        sizes = model_sizes(self.model.transformers, pipe.text_encoder, pipe.vae)
-        shape = rollout_shape(self.cfg, self.model, self.dims.sp, count_sde_steps(self.cfg))
+        """The plan's per-rank resident terms, with the loaded reward models' bytes on the device."""
         mixes = [self.rewards] + ([self.gold_rewards] if self.gold_rewards is not None else [])
         rewards = resident_bytes([r for mix in mixes for r in mix.rewards.values()], self.device)
-        return ResidentMemory.of(self.cfg, sizes, shape, self.dims.shard, self.device.type, rewards)
-
-    def _install_sp(self, transformer: nn.Module) -> None:
-        plan = self.model.sequence_parallel_plan(transformer) if self.dims.sp > 1 else None
-        apply_sequence_parallel(transformer, self.mesh, plan=plan)
-
-    def _parallelize(self) -> None:
-        """LoRA, then attention backend → SP install → FSDP2 (per block, then root), per expert, on
-        meta skeletons; then each rank loads only its own shards (:mod:`miles.models.sharded_load`).
-        The old policy's and the reference's copies are skeletons sharded alike, filled from the
-        policy's local shards: no rank ever holds a whole expert."""
-        cfg = self.cfg
-        trained = dict(reduce_dtype=torch.float32, reshard_after_forward=cfg.parallel.reshard_after_forward)
-        adapters = []
-        for transformer in self.model.transformers:
-            adapters.append(self._make_trainable(transformer))
-        self.resident = self._resident_memory()
-        for transformer in self.model.transformers:
-            transformer.train()
-            self._shard(transformer, checkpointing=True, **trained)
-        for i, (transformer, sub) in enumerate(zip(self.model.transformers, self._expert_folders())):
-            if cfg.model.init == "random":
-                source = RandomInit(seed=cfg.run.seed, salt=sub)
-            else:
-                source = WeightFiles(self.model.path / sub)
-            materialize(transformer, self.device, source, adapters[i])
-        old = []  # the old policy's experts (DiffusionNFT), with their adapters
-        if self.algorithm.uses_old_policy:
-            old = [self._sharded_copy(i, lora=True, **trained) for i in range(len(self.model.transformers))]
-        self.old_policy = OldPolicy(old, self.model.transformers) if old else None
-        # A full fine-tune with a KL term keeps a frozen copy of the initial weights, sharded alike,
-        # stored in the compute dtype (the dtype FSDP2 computes it in anyway).
-        self.reference = None
-        if self.algorithm.uses_reference and cfg.model.lora_rank == 0:
-            self.reference = [
-                self._sharded_copy(i, lora=False, dtype=self.compute_dtype).requires_grad_(False).eval()
-                for i in range(len(self.model.transformers))
-            ]
-
-    def _expert_folders(self) -> list[str]:
-        return ["transformer", "transformer_2"][: len(self.model.transformers)]
-
-    def _sharded_copy(
-        self, i: int, lora: bool, dtype: torch.dtype | None = None, **fsdp_options
-    ) -> nn.Module:
-        """A copy of expert ``i``: a skeleton (with the same adapters when ``lora``), sharded like the
-        expert, filled with its local shards (in ``dtype``, default the expert's own dtypes)."""
-        copy_ = build_skeleton(self.model.path, self._expert_folders()[i])
-        if not lora:
-            copy_.requires_grad_(False)
-        elif self.cfg.model.lora_rank > 0:
-            with torch.random.fork_rng(devices=[]):  # the copy's adapter draw is overwritten anyway
-                self._make_trainable(copy_)
-        if dtype is not None:
-            cast_frozen(copy_, dtype)
-        self._shard(copy_, **fsdp_options)
-        copy_local_shards(copy_, self.model.transformers[i])
-        return copy_
-
-    def _make_trainable(self, transformer: nn.Module) -> dict[str, torch.Tensor]:
-        """Full fine-tune: every parameter trains (fp32 masters); LoRA: a frozen base, stored in the
-        compute dtype, with trainable fp32 adapters. Returns the adapters' initial values (peft's
-        draw, captured on the CPU while ``transformer`` is a meta skeleton)."""
-        cfg = self.cfg.model
-        if cfg.lora_rank == 0:
-            transformer.requires_grad_(True)
-            return {}
-        from peft import LoraConfig
-
-        transformer.requires_grad_(False)
-        adapters = add_lora(
-            transformer,
-            LoraConfig(
-                r=cfg.lora_rank,
-                lora_alpha=cfg.lora_alpha,
-                init_lora_weights="gaussian",
-                target_modules=cfg.lora_target_modules,
-            ),
-        )
-        if self.compute_dtype is not None:
-            cast_frozen(transformer, self.compute_dtype)
-        return adapters
-
-    def _shard(self, transformer: nn.Module, checkpointing: bool = False, **fsdp_options) -> None:
-        """Attention backend → SP install → FSDP2 on one expert (``checkpointing``: with the
-        configured activation checkpointing, calibrated after SP is installed)."""
-        if self.attention_backend is not None:
-            transformer.set_attention_backend(self.attention_backend)
-        self._install_sp(transformer)
-        apply_fsdp(
-            transformer,
-            self.mesh.fsdp_mesh,
-            param_dtype=self.compute_dtype,
-            checkpoint_modes=self._checkpoint_modes(transformer) if checkpointing else None,
-            compile_blocks=self.compile_blocks,
-            **fsdp_options,
-        )
+        return dataclasses.replace(self.plan.resident, rewards=float(rewards))
 
     # ------------------------------------------------------------------------------------------
     # one iteration
