@@ -10,6 +10,7 @@ models, so that every parallelized model is wrapped in the trainer's order.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -95,7 +96,15 @@ def parallelize(
     """Wrap ``model``'s experts (meta skeletons from ``load_wan(experts="skeleton")``) as the run
     plan says, load each rank's shards, and build the old policy's and the reference's copies.
     ``resident``: the per-rank memory terms the activation checkpointing budget fits around."""
-    return _Parallelizer(model, plan, mesh, device, resident).run(uses_old_policy, uses_reference)
+    # torch >= 2.12 warns on every rank that the transformer's output is a view (an in-place
+    # op on it would skip FSDP2's pre-backward hook). The trainer never modifies it in place.
+    warnings.filterwarnings(
+        "ignore", message=r"FSDP2-wrapped module \(FSDPWanTransformer3DModel\) returned a view"
+    )
+    experts = _Parallelizer(model, plan, mesh, device, resident).run(uses_old_policy, uses_reference)
+    if resolve_compile(plan.cfg.model.compile, device):
+        print0("[miles] torch.compile per block: the first rollout and train step include compile time")
+    return experts
 
 
 class _Parallelizer:
