@@ -15,12 +15,13 @@ import torch
 from tqdm import tqdm
 
 from miles.algorithms import Algorithm, Policy
-from miles.config import Config, RolloutConfig
+from miles.config import Config
 from miles.data.prompts import GroupSampler, Prompt
 from miles.models.wan import DTYPES, WanModel
 from miles.parallel.fsdp import unsharded_for_rollout
 from miles.rollout.batch import MicroBatch, RolloutBatch
 from miles.rollout.condition import conditions_of
+from miles.rollout.guidance import guidance_scales
 from miles.rollout.prompt_cache import PromptCache
 from miles.rollout.sampler import begin_sampling, expert_phases
 from miles.train.stop import StopRequested, maybe_inject_signal
@@ -39,13 +40,6 @@ def micro_slices(cfg: Config, n: int) -> list[slice]:
     """``n`` samples in micro-batches of ``train.micro_batch_size`` (the same in rollout and training)."""
     mb = cfg.train.micro_batch_size
     return [slice(i, i + mb) for i in range(0, n, mb)]
-
-
-def guidance_scales(r: RolloutConfig, num_experts: int) -> list[float]:
-    """The CFG scale of each expert: ``rollout.guidance_scale``, and ``guidance_scale_2`` (else the
-    same) for the low-noise expert of a two-expert model."""
-    g2 = r.guidance_scale if r.guidance_scale_2 is None else r.guidance_scale_2
-    return [r.guidance_scale, g2][:num_experts]
 
 
 def _bar(items, desc: str, progress: bool):

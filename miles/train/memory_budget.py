@@ -344,9 +344,9 @@ def count_sde_steps(cfg) -> int:
 
 def cfg_factor(cfg, num_experts: int) -> int:
     """2 when classifier-free guidance runs (cond and uncond as one batch), else 1."""
-    r = cfg.rollout
-    scales = [r.guidance_scale, r.guidance_scale if r.guidance_scale_2 is None else r.guidance_scale_2]
-    return 2 if any(s > 1.0 for s in scales[:num_experts]) else 1
+    from miles.rollout.guidance import uses_cfg
+
+    return 2 if uses_cfg(cfg.rollout, num_experts) else 1
 
 
 def rollout_shape(cfg, model, sp: int, num_sde_steps: int) -> RolloutShape:

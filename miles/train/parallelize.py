@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from miles.models.lora import lora_config
 from miles.models.sharded_load import (
     RandomInit,
     WeightFiles,
@@ -211,18 +212,8 @@ class _Parallelizer:
         if cfg.lora_rank == 0:
             transformer.requires_grad_(True)
             return {}
-        from peft import LoraConfig
-
         transformer.requires_grad_(False)
-        adapters = add_lora(
-            transformer,
-            LoraConfig(
-                r=cfg.lora_rank,
-                lora_alpha=cfg.lora_alpha,
-                init_lora_weights="gaussian",
-                target_modules=cfg.lora_target_modules,
-            ),
-        )
+        adapters = add_lora(transformer, lora_config(cfg))
         if self.compute_dtype is not None:
             cast_frozen(transformer, self.compute_dtype)
         return adapters

@@ -7,13 +7,13 @@ import torch
 import torch.distributed as dist
 
 from miles.config import Config
+from miles.eval.videos import to_uint8
 from miles.grpo.advantages import group_advantages
 from miles.models.wan import WanModel
 from miles.parallel.topology import ParallelMesh
 from miles.rewards.shaping import shaped_reward
 from miles.rollout.batch import RolloutBatch, Scores
 from miles.train.overlap import decode_and_score
-from miles.train.videos import to_uint8
 
 __all__ = ["NonFiniteError", "score"]
 

@@ -33,6 +33,7 @@ from miles.config import Config
 from miles.data.prompts import GroupSampler
 from miles.eval import evaluate, summarize, write_eval
 from miles.eval.evaluate import eval_settings, grid_caption
+from miles.models.fingerprint import model_fingerprint
 from miles.models.wan import (
     WanModel,
     load_wan,
@@ -57,7 +58,6 @@ from miles.train.checkpoint import (
 from miles.train.collect import Collector, guidance_scales, run_generator
 from miles.train.ema import EMA
 from miles.train.export import export_pipeline
-from miles.train.fingerprint import model_fingerprint
 from miles.train.logging import MetricsLogger, configure_library_progress, print0, show_progress
 from miles.train.memory_budget import (
     ResidentMemory,

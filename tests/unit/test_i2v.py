@@ -20,8 +20,8 @@ from PIL import Image
 from miles.config import ModelConfig
 from miles.data.prompts import check_prompt_images, load_image, load_prompts
 from miles.eval.evaluate import EvalSettings, sample_with_scheduler
-from miles.models.i2v import condition_mode, run_condition_mode
-from miles.models.wan import check_wan_folder, load_wan
+from miles.models.i2v import condition_mode
+from miles.models.wan import check_wan_folder, load_wan, run_condition_mode
 from miles.rollout.sampler import compute_log_prob, sample_with_logprob
 
 PROMPTS = ["a red ball", "a blue cube rolling"]
