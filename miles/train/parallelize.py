@@ -89,14 +89,15 @@ def parallelize(
     plan: RunPlan,
     mesh: ParallelMesh,
     device: torch.device,
-    resident: ResidentMemory,
+    resident: Callable[[], ResidentMemory],
     *,
     uses_old_policy: bool = False,
     uses_reference: bool = False,
 ) -> ParallelExperts:
     """Wrap ``model``'s experts (meta skeletons from ``load_wan(experts="skeleton")``) as the run
     plan says, load each rank's shards, and build the old policy's and the reference's copies.
-    ``resident``: the per-rank memory terms the activation checkpointing budget fits around."""
+    ``resident``: the per-rank memory terms the activation checkpointing budget fits around,
+    computed once the adapters are installed (they count in the blocks FSDP gathers)."""
     # torch >= 2.12 warns on every rank that the transformer's output is a view (an in-place
     # op on it would skip FSDP2's pre-backward hook). The trainer never modifies it in place.
     warnings.filterwarnings(
@@ -109,8 +110,9 @@ def parallelize(
 
 
 class _Parallelizer:
-    def __init__(self, model, plan: RunPlan, mesh, device, resident: ResidentMemory):
-        self.model, self.plan, self.mesh, self.device, self.resident = model, plan, mesh, device, resident
+    def __init__(self, model, plan: RunPlan, mesh, device, resident: Callable[[], ResidentMemory]):
+        self.model, self.plan, self.mesh, self.device = model, plan, mesh, device
+        self.resident_of = resident
         self.cfg = plan.cfg
         self.compute_dtype = compute_dtype(self.cfg)
         self.compile_blocks = resolve_compile(self.cfg.model.compile, device)
@@ -162,6 +164,7 @@ class _Parallelizer:
         adapters = []
         for transformer in self.model.transformers:
             adapters.append(self._make_trainable(transformer))
+        self.resident = self.resident_of()
         for transformer in self.model.transformers:
             transformer.train()
             self._shard(transformer, checkpointing=True, **trained)

@@ -59,9 +59,7 @@ from miles.train.collect import Collector, guidance_scales, run_generator
 from miles.train.ema import EMA
 from miles.train.export import export_pipeline
 from miles.train.logging import MetricsLogger, configure_library_progress, print0, show_progress
-from miles.train.memory_budget import (
-    ResidentMemory,
-)
+from miles.train.memory_budget import ResidentMemory, model_sizes, rollout_shape
 from miles.train.old_policy import OldPolicy
 from miles.train.parallelize import compute_dtype, parallelize
 from miles.train.plan import plan_run
@@ -138,7 +136,7 @@ class Trainer:
             self.plan,
             self.mesh,
             self.device,
-            self._resident_memory(),
+            self._resident_memory,
             uses_old_policy=self.algorithm.uses_old_policy,
             uses_reference=self.algorithm.uses_reference,
         )
@@ -245,10 +243,15 @@ class Trainer:
         self.rewards, self.gold_rewards = build_configured_rewards(cfg.reward, self.device)
 
     def _resident_memory(self) -> ResidentMemory:
-        """The plan's per-rank resident terms, with the loaded reward models' bytes on the device."""
+        """The per-rank resident terms (weights, optimizer, rollout, decode...) of this run, from the
+        loaded modules' parameter counts (LoRA adapters installed, nothing sharded yet) and the
+        loaded reward models' bytes on the device."""
+        pipe = self.model.pipeline
+        sizes = model_sizes(self.model.transformers, pipe.text_encoder, pipe.vae)
+        shape = rollout_shape(self.cfg, self.model, self.dims.sp, self.plan.num_sde_steps)
         mixes = [self.rewards] + ([self.gold_rewards] if self.gold_rewards is not None else [])
         rewards = resident_bytes([r for mix in mixes for r in mix.rewards.values()], self.device)
-        return dataclasses.replace(self.plan.resident, rewards=float(rewards))
+        return ResidentMemory.of(self.cfg, sizes, shape, self.dims.shard, self.device.type, rewards)
 
     # ------------------------------------------------------------------------------------------
     # one iteration
