@@ -1,6 +1,8 @@
 """The ``remote`` reward against a real reward server, and ``vlm_judge`` against a fake VLM, over loopback.
 
-The reward server runs as ``python -m miles.rewards.serve`` in a subprocess hosting the
+The reward server runs as ``python -m miles.rewards.serve --engine threading`` (the
+standard-library fallback, which starts in a second; the Ray Serve engine has its own tests in
+``test_reward_service.py``) in a subprocess hosting the
 download-free rewards; remote scores are compared bitwise with in-process scores of the same
 uint8-quantised frames (``dequantize_frames(frames_to_uint8(videos))``, what the server scores).
 Faults are real: the server is killed between batches and restarted, and its test-only
@@ -72,7 +74,8 @@ class Server:
 
 def start_server(*args: str, port: int = 0) -> Server:
     """``python -m miles.rewards.serve`` on ``port`` (0: a free one); returns once it listens."""
-    cmd = [sys.executable, "-m", "miles.rewards.serve", "--rewards", HOSTED, "--port", str(port), *args]
+    cmd = [sys.executable, "-m", "miles.rewards.serve", "--rewards", HOSTED, "--port", str(port)]
+    cmd += ["--engine", "threading", *args]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     output = []
     for line in proc.stdout:
