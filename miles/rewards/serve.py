@@ -40,7 +40,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import yaml
 
 from miles.rewards.base import Reward
-from miles.rewards.registry import check_resources, registered_rewards
+from miles.rewards.registry import _REGISTRY, _accepted_options, check_resources, registered_rewards
 from miles.rewards.remote import TOKEN_ENV, WIRE_VERSION
 from miles.rewards.serve_common import (
     DEFAULT_MAX_REQUEST_MB,
@@ -238,6 +238,14 @@ def _check_args(args: argparse.Namespace, names: list[str]) -> None:
     check_bind(args.host, args.token)
 
 
+def _check_options(options: dict) -> None:
+    """Refuse an option no reward takes here, not in every replica."""
+    known = set().union(*(_accepted_options(f) for f in _REGISTRY.values()))
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ValueError(f"unknown reward option(s) {unknown}; options the rewards take: {sorted(known)}")
+
+
 def _serve_threading(args: argparse.Namespace, names: list[str], options: dict) -> int:
     from miles.rewards.registry import build_rewards
 
@@ -268,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         options = _reward_options(args)
         _check_args(args, names)
+        _check_options(options)
         check_resources(names, **options)  # unknown names, missing weight folders: before Ray starts
         if args.engine == "threading":
             return _serve_threading(args, names, options)

@@ -189,16 +189,16 @@ class RewardScorer:
         return await asyncio.to_thread(self._score_groups, frames, prompts, names)
 
     def _score_groups(self, frames: list[np.ndarray], prompts: list[str], names: list[tuple]) -> list[dict]:
-        groups: dict[tuple, list[int]] = {}
+        groups: dict[tuple, list[int]] = {}  # one reward call per frame shape and reward list
         for i, (f, n) in enumerate(zip(frames, names)):
             groups.setdefault((f.shape, n), []).append(i)
         out: list[dict] = [{}] * len(frames)
         for (_, group_names), idx in groups.items():
             try:
-                scores = score_videos(self.rewards, np.stack([frames[i] for i in idx]), [prompts[i] for i in idx],
-                                      group_names)  # fmt: skip
+                stacked = np.stack([frames[i] for i in idx])  # (b, F, H, W, 3) uint8
+                scores = score_videos(self.rewards, stacked, [prompts[i] for i in idx], group_names)
                 for k, i in enumerate(idx):
-                    out[i] = {"scores": {n: s[k] for n, s in scores.items()}, "pid": self.pid, "batch": len(idx)}
+                    out[i] = self._part(scores, k, len(idx))
             except RequestError:  # one bad prompt must not fail its batch-mates: score each alone
                 for i in idx:
                     out[i] = self._score_alone(frames[i], prompts[i], group_names)
@@ -206,10 +206,12 @@ class RewardScorer:
 
     def _score_alone(self, frames: np.ndarray, prompt: str, names: tuple) -> dict:
         try:
-            scores = score_videos(self.rewards, frames[None], [prompt], names)
+            return self._part(score_videos(self.rewards, frames[None], [prompt], names), 0, 1)
         except RequestError as e:
             return {"error": str(e)}
-        return {"scores": {n: s[0] for n, s in scores.items()}, "pid": self.pid, "batch": 1}
+
+    def _part(self, scores: dict[str, list[float]], k: int, batch: int) -> dict:
+        return {"scores": {n: s[k] for n, s in scores.items()}, "pid": self.pid, "batch": batch}
 
 
 def _free_port(host: str) -> int:

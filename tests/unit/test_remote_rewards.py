@@ -256,6 +256,43 @@ def test_lost_answers_are_retried_and_each_sample_scored_once() -> None:
         server.kill()
 
 
+def test_threading_engine_token_and_limits(monkeypatch) -> None:
+    """The fallback engine's checks are the Ray engine's: 401 without the token, 413 over the limit,
+    400 for a hostile request id; the client sends ``$MILES_REWARD_TOKEN``."""
+    monkeypatch.setenv("MILES_REWARD_TOKEN", "s3cret")  # the server inherits it, so does the client
+    server = start_server("--max-request-mb", "0.5")
+    try:
+        frames = frames_to_uint8(world_batch(1)[0])
+        body = encode_request(frames, ["a big red ball moving left"], ["sharpness"], "a;rm -rf /")
+        for headers in ({}, {"Authorization": "Bearer nope"}):
+            r = requests.post(server.url + "/score", data=body, headers=headers, timeout=10)
+            assert r.status_code == 401 and "MILES_REWARD_TOKEN" in r.json()["error"]
+        auth = {"Authorization": "Bearer s3cret"}
+        r = requests.post(server.url + "/score", data=body, headers=auth, timeout=10)
+        assert r.status_code == 400 and "request_id" in r.json()["error"]
+        big = encode_request(np.zeros((8, 9, 64, 64, 3), np.uint8), ["x"] * 8, ["sharpness"], "big")
+        assert requests.post(server.url + "/score", data=big, headers=auth, timeout=10).status_code == 413
+        videos, prompts = world_batch(2)
+        got, _ = build_rewards({"remote": 1.0}, remote_url=server.url, remote_rewards=MIX, **FAST)(
+            videos, prompts
+        )
+        assert_bitwise(got, build_rewards(MIX)(quantized(videos), prompts)[0])
+        monkeypatch.delenv("MILES_REWARD_TOKEN")
+        with pytest.raises(ValueError, match="refused this client's token"):
+            build_rewards({"remote": 1.0}, remote_url=server.url, **FAST)
+    finally:
+        server.kill()
+
+
+def test_non_loopback_bind_without_token_is_refused(monkeypatch, capsys) -> None:
+    from miles.rewards import serve
+
+    monkeypatch.delenv("MILES_REWARD_TOKEN", raising=False)
+    for engine in ("threading", "ray"):  # refused before any reward or Ray starts
+        assert serve.main(["--rewards", "sharpness", "--host", "0.0.0.0", "--engine", engine]) == 2
+        assert "refusing to serve on 0.0.0.0 without a token" in capsys.readouterr().err
+
+
 def start_fake(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
