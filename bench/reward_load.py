@@ -56,9 +56,14 @@ class ServerProcess:
         cmd = [sys.executable, "-m", "miles.rewards.serve", *self.args]
         env = {**os.environ, "PYTHONPATH": str(REPO), **self.env}
         self.proc = subprocess.Popen(
-            cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            cmd,
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
             start_new_session=True,
-        )  # fmt: skip
+        )
         deadline = time.monotonic() + timeout_s
         for line in self.proc.stdout:
             self.output.append(line)
@@ -230,9 +235,14 @@ def _row(args: argparse.Namespace, engine: str, replicas: int, reference: dict) 
     try:
         run_load(server.url, clients=1, calls=1, batch=args.batch, deadline_s=60, token=token, size=args.size)
         result = run_load(
-            server.url, clients=args.clients, calls=args.calls, batch=args.batch,
-            deadline_s=args.deadline_s, token=token, size=args.size,
-        )  # fmt: skip
+            server.url,
+            clients=args.clients,
+            calls=args.calls,
+            batch=args.batch,
+            deadline_s=args.deadline_s,
+            token=token,
+            size=args.size,
+        )
         stats = server.stats(token)
     finally:
         server.stop()

@@ -292,7 +292,11 @@ def check_reward_server(
     what it hosts. ValueError naming the fix otherwise: call it before any weights load."""
     url = check_http_options("remote", url, timeout_s, retries, backoff_s)
     http = HttpClient(
-        requests.Session(), timeout_s=timeout_s, retries=retries, backoff_s=backoff_s, counters=()
+        requests.Session(),
+        timeout_s=timeout_s,
+        retries=retries,
+        backoff_s=backoff_s,
+        counters=("num_retries",),
     )
     http.session.headers.update(auth_headers(token))
     hosted = _health(http, url)

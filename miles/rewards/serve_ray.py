@@ -92,8 +92,11 @@ class RewardIngress:
             if route == ("GET", "/stats"):
                 return _json(200, self.stats())
             if route != ("POST", "/score"):
-                raise RequestError(f"no such endpoint {request.method} {request.url.path}; try "
-                                   "GET /health, GET /stats, POST /score", 404)  # fmt: skip
+                raise RequestError(
+                    f"no such endpoint {request.method} {request.url.path}; try "
+                    "GET /health, GET /stats, POST /score",
+                    404,
+                )
             self.counts["num_requests"] += 1
             return await self._score(await self._read_body(request))
         except RequestError as e:

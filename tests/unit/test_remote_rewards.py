@@ -172,6 +172,24 @@ def test_missing_server_is_refused_in_the_constructor() -> None:
     assert "python -m miles.rewards.serve" in str(e.value)
 
 
+def test_dry_run_and_trainer_check_the_server_before_building(server: Server) -> None:
+    """``check_reward_config`` (the dry run's check, and the trainer's before the model loads) asks
+    the server: a missing server and an unhosted reward are refused without building a reward."""
+    from miles.config import RewardConfig
+    from miles.rewards.from_config import check_reward_config
+
+    options = dict(remote_retries=1, remote_backoff_s=0.01, remote_timeout_s=10.0)
+    missing = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(ValueError, match=re.escape(f"{missing}/health") + ".*after 2 attempt"):
+        check_reward_config(RewardConfig(weights={"remote": 1.0}, remote_url=missing, **options))
+    cfg = RewardConfig(
+        weights={"remote": 1.0}, remote_url=server.url, remote_rewards={"pickscore": 1.0}, **options
+    )
+    with pytest.raises(ValueError, match=r"does not host \['pickscore'\]"):
+        check_reward_config(cfg)
+    check_reward_config(RewardConfig(weights={"remote": 1.0}, remote_url=server.url, **options))
+
+
 def test_unhosted_reward_and_bad_prompt_are_refused(server: Server) -> None:
     with pytest.raises(ValueError, match=r"does not host \['pickscore'\]"):
         build_rewards({"remote": 1.0}, remote_url=server.url, remote_rewards=["pickscore"], **FAST)

@@ -133,15 +133,33 @@ def test_malformed_oversized_and_hostile_payloads_get_4xx_and_harm_nothing(serve
     cases = {
         "not safetensors": (b"\x00" * 64, 400, "malformed"),
         "huge header length": (b"\xff" * 8 + b"{}", 400, "malformed"),
-        "path as request id": (encode_request(frames, prompt, ["sharpness"], "../../etc/passwd"), 400, "request_id"),
-        "shell in request id": (encode_request(frames, prompt, ["sharpness"], f"x;touch {marker}"), 400, "request_id"),
+        "path as request id": (
+            encode_request(frames, prompt, ["sharpness"], "../../etc/passwd"),
+            400,
+            "request_id",
+        ),
+        "shell in request id": (
+            encode_request(frames, prompt, ["sharpness"], f"x;touch {marker}"),
+            400,
+            "request_id",
+        ),
         "unhosted reward": (encode_request(frames, prompt, ["__import__('os')"], "r1"), 400, "does not host"),
-        "prompt outside the grammar": (encode_request(frames, ["$(touch /tmp/x)"], ["world_adherence"], "r2"), 400,
-                                       "grammar"),
-        "float frames": (encode_request(frames.astype(np.float32), prompt, ["sharpness"], "r3"), 400, "uint8"),
-        "over 1 MiB": (encode_request(np.zeros((4, 9, 128, 128, 3), np.uint8), prompt * 4, ["sharpness"], "r4"),
-                       413, "--max-request-mb"),
-    }  # fmt: skip
+        "prompt outside the grammar": (
+            encode_request(frames, ["$(touch /tmp/x)"], ["world_adherence"], "r2"),
+            400,
+            "grammar",
+        ),
+        "float frames": (
+            encode_request(frames.astype(np.float32), prompt, ["sharpness"], "r3"),
+            400,
+            "uint8",
+        ),
+        "over 1 MiB": (
+            encode_request(np.zeros((4, 9, 128, 128, 3), np.uint8), prompt * 4, ["sharpness"], "r4"),
+            413,
+            "--max-request-mb",
+        ),
+    }
     for name, (body, status, message) in cases.items():
         r = requests.post(url + "/score", data=body, headers=AUTH, timeout=60)
         assert r.status_code == status and message in r.json()["error"], (name, r.status_code, r.text)
