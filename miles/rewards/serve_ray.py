@@ -69,6 +69,8 @@ def _json(status: int, obj: object) -> Response:
     graceful_shutdown_timeout_s=2,
 )
 class RewardIngress:
+    """HTTP: token, limits, body checks, the answer cache, and one scorer call per video."""
+
     def __init__(self, scorer, hosted: Sequence[str], config: dict) -> None:
         self.scorer = scorer
         self.hosted = list(hosted)
@@ -123,25 +125,21 @@ class RewardIngress:
     async def _score(self, body: bytes) -> Response:
         frames, prompts, names, request_id = parse_score_body(body, self.hosted)
         answer = self.cache.get(request_id)
-        if answer is None and request_id in self.inflight:  # a retry of a request being scored
-            answer = await asyncio.shield(self.inflight[request_id])
+        while answer is None and request_id in self.inflight:  # a retry of a request being scored:
+            await asyncio.wait([self.inflight[request_id]])  # wait for that attempt, however it ends
+            answer = self.cache.get(request_id)  # None if it failed: score it here
         if answer is not None:
             self.counts["num_cache_hits"] += 1
             return Response(answer, 200, media_type="application/json")
-        future = asyncio.get_running_loop().create_future()
-        self.inflight[request_id] = future
+        done = asyncio.get_running_loop().create_future()  # set when this attempt ends
+        self.inflight[request_id] = done
         try:
             parts = await asyncio.gather(*(self._score_one(f, p, names) for f, p in zip(frames, prompts)))
-            scores = {n: [part["scores"][n] for part in parts] for n in names}
-            answer = encode_answer(request_id, scores)
+            answer = encode_answer(request_id, {n: [part["scores"][n] for part in parts] for n in names})
             self.cache.put(request_id, answer)
-            future.set_result(answer)
-        except BaseException as e:
-            future.set_exception(e)
-            future.exception()  # retrieved: no "never retrieved" warning when nobody waits
-            raise
         finally:
             del self.inflight[request_id]
+            done.set_result(None)
         for part in parts:
             self.replica_samples[part["pid"]] = self.replica_samples.get(part["pid"], 0) + 1
             self.counts["max_batch_videos"] = max(self.counts["max_batch_videos"], part["batch"])
@@ -172,6 +170,8 @@ class RewardIngress:
 
 @serve.deployment(health_check_period_s=2, health_check_timeout_s=30, graceful_shutdown_timeout_s=2)
 class RewardScorer:
+    """One replica's rewards, scoring the videos it is sent in batches."""
+
     def __init__(self, names: Sequence[str], options: dict, batch: dict) -> None:
         from miles.rewards.registry import build_rewards
 
@@ -245,6 +245,7 @@ def serve_ray(args: argparse.Namespace, names: list[str], options: dict) -> int:
     """Start (or join) Ray, deploy the rewards, print the address, and serve until SIGINT / SIGTERM."""
     actor = _resources(args)
     port = args.port or _free_port(args.host)
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # Ray would report usage to its servers
     if args.ray_address:
         ray.init(address=args.ray_address, log_to_driver=False)
     else:  # a local instance sized for the replicas; no dashboard
