@@ -262,17 +262,12 @@ def _health(http: HttpClient, url: str) -> list[str]:
         hosted = body["rewards"]
         if body.get("version") != WIRE_VERSION or not all(isinstance(n, str) for n in hosted):
             raise ValueError(f"unexpected /health answer {body!r}")
-    except RemoteRewardError as e:
-        if "HTTP 401" in str(e) or "HTTP 403" in str(e):
+    except (RemoteRewardError, ValueError, KeyError, TypeError) as e:
+        if isinstance(e, RemoteRewardError) and ("HTTP 401" in str(e) or "HTTP 403" in str(e)):
             raise ValueError(
                 f"the reward server at {url} refused this client's token ({e}); set ${TOKEN_ENV} "
                 "(or reward remote_token) to the token the server was started with"
             ) from e
-        raise ValueError(
-            f"no miles reward server (wire version {WIRE_VERSION}) answers at {url}/health ({e}). "
-            f"Start one before training: {start}, and set reward.remote_url to its address."
-        ) from e
-    except (ValueError, KeyError, TypeError) as e:
         raise ValueError(
             f"no miles reward server (wire version {WIRE_VERSION}) answers at {url}/health ({e}). "
             f"Start one before training: {start}, and set reward.remote_url to its address."
