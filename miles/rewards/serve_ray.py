@@ -237,6 +237,16 @@ def _resources(args: argparse.Namespace) -> dict:
     return {"num_cpus": args.cpus_per_replica, "num_gpus": gpus}
 
 
+def _deployment_errors(max_lines: int = 12) -> str:
+    """The end of each failed deployment's message (a replica constructor's traceback)."""
+    try:
+        deployments = serve.status().applications[APP_NAME].deployments.values()
+    except Exception as e:  # the status is a courtesy: never hide the failure behind it
+        return f"(no deployment status: {type(e).__name__}: {e})"
+    lines = [line for d in deployments if d.message for line in d.message.strip().splitlines()[-max_lines:]]
+    return "\n".join(lines)
+
+
 def _interrupt(*_: object) -> None:
     raise KeyboardInterrupt
 
@@ -263,7 +273,7 @@ def serve_ray(args: argparse.Namespace, names: list[str], options: dict) -> int:
         try:
             serve.run(RewardIngress.bind(scorer, names, config), name=APP_NAME, route_prefix="/")
         except RuntimeError as e:  # a replica failed to build its rewards
-            print(f"error: the reward deployment failed: {e}", file=sys.stderr)
+            print(f"error: the reward deployment failed: {e}\n{_deployment_errors()}", file=sys.stderr)
             return 2
         print(
             f"[miles] reward server listening on http://{args.host}:{port} (rewards: {', '.join(names)}; "
