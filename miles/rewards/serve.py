@@ -233,6 +233,8 @@ def _check_args(args: argparse.Namespace, names: list[str]) -> None:
     for flag in ("replicas", "max_batch_size", "cache_size"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1; got {getattr(args, flag)}")
+    if args.engine == "threading" and (args.replicas != 1 or args.fault_hold_s or args.ray_address):
+        raise ValueError("--replicas, --ray-address and --fault-hold-s need --engine ray (the default)")
     if not args.max_request_mb > 0:
         raise ValueError(f"--max-request-mb must be > 0; got {args.max_request_mb}")
     check_bind(args.host, args.token)
