@@ -52,7 +52,19 @@ class ServerProcess:
     url: str = ""
     output: list[str] = field(default_factory=list)
 
-    def start(self, timeout_s: float = 240.0) -> ServerProcess:
+    def start(self, timeout_s: float = 240.0, attempts: int = 2) -> ServerProcess:
+        """Start it and wait for its address; a Ray that timed out starting (exit 3, a starved
+        machine) is started again, ``attempts`` times in all."""
+        for attempt in range(1, attempts + 1):
+            try:
+                return self._start(timeout_s)
+            except RuntimeError:
+                if self.proc.returncode != 3 or attempt == attempts:
+                    raise
+                self.output.append(f"[reward_load] attempt {attempt}: Ray did not start; trying again\n")
+        raise AssertionError("unreachable")
+
+    def _start(self, timeout_s: float) -> ServerProcess:
         cmd = [sys.executable, "-m", "miles.rewards.serve", *self.args]
         env = {**os.environ, "PYTHONPATH": str(REPO), **self.env}
         self.proc = subprocess.Popen(

@@ -247,6 +247,14 @@ def _deployment_errors(max_lines: int = 12) -> str:
     return "\n".join(lines)
 
 
+def _init_ray(args: argparse.Namespace, cpus: int) -> None:
+    """Join ``--ray-address``, or start a local instance of ``cpus`` CPUs without a dashboard."""
+    if args.ray_address:
+        ray.init(address=args.ray_address, log_to_driver=False)
+    else:
+        ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
+
+
 def _interrupt(*_: object) -> None:
     raise KeyboardInterrupt
 
@@ -256,11 +264,12 @@ def serve_ray(args: argparse.Namespace, names: list[str], options: dict) -> int:
     actor = _resources(args)
     port = args.port or _free_port(args.host)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # Ray would report usage to its servers
-    if args.ray_address:
-        ray.init(address=args.ray_address, log_to_driver=False)
-    else:  # a local instance sized for the replicas; no dashboard
-        cpus = max(1, int(np.ceil(args.replicas * actor["num_cpus"])))
-        ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
+    try:
+        _init_ray(args, max(1, int(np.ceil(args.replicas * actor["num_cpus"]))))
+    except Exception as e:  # Ray gives its raylet 30 s to register: a starved machine can miss it
+        print(f"error: Ray did not start: {type(e).__name__}: {e}", file=sys.stderr)
+        ray.shutdown()  # whatever of the local instance did start
+        return 3
     signal.signal(signal.SIGTERM, _interrupt)  # a terminated server shuts Serve and Ray down
     try:
         serve.start(http_options={"host": args.host, "port": port})
