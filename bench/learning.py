@@ -20,14 +20,20 @@ seeds, ODE sampling) in deterministic mode with 4 CPU processes:
   the same layouts and control, and with GRPO-Guard (``cfg-guard-dp4``) and CPS sampling
   (``cfg-cps-dp4``); ``guard-dp4``, ``cps-dp4``: the same two CFG-free;
 - ``*-1step``: the whole rollout (64 samples) in one optimizer step instead of two steps of 32;
+- the recipe search of issue 31: ``kl-dp4`` (CFG-free with a KL), ``cfg-clip4-dp4`` (CFG, clip
+  range x 4), ``nft-cfgroll-dp4`` (DiffusionNFT on CFG rollouts, trained CFG-free), the negated
+  twins of Guard, CPS and ``nft-cfgroll``, and ``<run>-lr1e-4`` / ``-lr3e-4`` (the shared lr);
 - ``awm-*``, ``dgpo-*``, ``dpo-*`` (dp4, dp2xsp2, dp4-negated): Advantage Weighted Matching, DGPO
   in its fully CFG-free mode (rollouts at guidance 1, the frozen reference's velocity with CFG 4,
   clip 1e-5: its paper's mode 2) and online DPO (best vs worst of each group's half in a step), each
   with its section's defaults (the references' recipes); ``cfg-dgpo-dp4`` (and ``-negated``):
   DGPO's "rollout with CFG, train without" mode (rollouts at guidance 4, reference without CFG).
 
-Every run keeps the recipe's optimizer, learning rate, batch and evaluation: nothing is tuned per
-method.
+``--gpu`` runs each on the GPU path instead: one process, bf16, compiled blocks, not deterministic,
+the same global batch (docs/learning.md, "The GPU path"); ``--time-limit`` stops runs still going.
+
+Every run keeps the recipe's optimizer, batch and evaluation, and the learning rate unless its name
+says otherwise: nothing is tuned per method.
 
 ``--config configs/world_i2v_cpu.yaml`` runs the same on the image-to-video world (its reward
 ``world_i2v``; ``make world-i2v-model`` first). The curves are of the weighted reward of the
@@ -44,6 +50,7 @@ invocation, their final held-out separation in paired standard errors.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -71,6 +78,7 @@ RUNS.update(
     }
 )
 RUNS.update({f"cfg-{name}": [*RUNS[name], *_CFG] for name in ("guard-dp4", "cps-dp4", "dp4-1step")})
+# AWM, DGPO and online DPO (issue 32), each with its section's defaults
 _DGPO = ["--algorithm.name", "dgpo"]
 _MATCHING = {
     "awm": ["--algorithm.name", "awm"],
@@ -85,18 +93,61 @@ RUNS.update(
         for name in ("dp4", "dp4-negated")
     }
 )
+# recipe search (issue 31): CFG-mode candidates and shared-setting changes, at dp4's global batch
+_LR1E4 = ["--train.learning-rate", "1e-4"]
+_CFG_ROLL = ["--rollout.guidance-scale", "4.0"]  # CFG rollouts and evaluation; NFT trains CFG-free
+RUNS.update(
+    {
+        "guard-dp4-negated": [*RUNS["guard-dp4"], *_NEGATED],
+        "cps-dp4-negated": [*RUNS["cps-dp4"], *_NEGATED],
+        "kl-dp4": [*_DP4, "--grpo.kl-beta", "1e-3"],  # CFG-free with a KL to the initial policy
+        "cfg-clip4-dp4": [*RUNS["cfg-dp4"], "--grpo.clip-range", "4e-4"],  # clip scaled to guidance 4
+        "nft-cfgroll-dp4": [*RUNS["nft-dp4"], *_CFG_ROLL],  # CFG rollouts, CFG-free training
+        "nft-cfgroll-dp4-negated": [*RUNS["nft-dp4"], *_CFG_ROLL, *_NEGATED],
+    }
+)
+RUNS.update({f"{name}-lr1e-4": [*RUNS[name], *_LR1E4] for name in list(RUNS)})
+RUNS.update(
+    {
+        f"{name}-lr3e-4": [*RUNS[name], "--train.learning-rate", "3e-4"]
+        for name in ("nft-dp4", "nft-cfgroll-dp4")
+    }
+)
 DEFAULT_RUNS = ["dp4", "dp2xsp2", "dp4-negated"]
+# The GPU path (``--gpu``): one process per run on one CUDA device, bf16, compiled blocks, not in
+# deterministic mode (as a user runs it), micro-batches of 16; dp4's 2 prompt groups per rank become 8,
+# the same global batch. Runs launched together share the device.
+_GPU = ["--model.dtype", "bfloat16", "--train.micro-batch-size", "16"]
+
+
+def gpu_flags(flags: list[str]) -> list[str]:
+    """A run's flags for the GPU path: dp4's prompt groups all on the one rank, bf16."""
+    if "--sequence-parallel-size" in flags:
+        raise SystemExit("--gpu runs one process per run: choose the dp4 runs")
+    out = list(flags)
+    i = out.index("--data.prompts-per-rank")
+    out[i + 1] = str(int(out[i + 1]) * 4)
+    return [*out, *_GPU]
 
 
 def command(
-    out: Path, name: str, flags: list[str], num_rollouts: int, extra: list[str], config: str = DEFAULT_CONFIG
+    out: Path,
+    name: str,
+    flags: list[str],
+    num_rollouts: int,
+    extra: list[str],
+    config: str = DEFAULT_CONFIG,
+    gpu: bool = False,
 ) -> list[str]:
-    """One 4-process torchrun launch of the world recipe ``config``."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
+    """One torchrun launch of the world recipe ``config``: 4 CPU processes in deterministic mode,
+    or (``gpu``) one process on the GPU."""
+    procs = "1" if gpu else "4"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", procs]
     cmd += ["train_grpo.py", "--config", config, "--run.output-dir", str(out)]
-    cmd += ["--run.name", name, "--run.no-progress", "--deterministic-mode", "--train.no-export"]
+    cmd += ["--run.name", name, "--run.no-progress", "--train.no-export"]
+    cmd += [] if gpu else ["--deterministic-mode"]
     cmd += ["--train.no-resume", "--train.overwrite", "--train.num-rollouts", str(num_rollouts)]
-    return [*cmd, *flags, *extra]
+    return [*cmd, *(gpu_flags(flags) if gpu else flags), *extra]
 
 
 def launch_all(
@@ -106,26 +157,38 @@ def launch_all(
     extra: list[str],
     parallel: bool,
     config: str = DEFAULT_CONFIG,
+    gpu: bool = False,
+    time_limit: float | None = None,
 ) -> dict[str, float]:
     """Run the launches one after another, or all at once (on a machine with cores to spare);
-    returns each one's wall time in seconds."""
+    returns each one's wall time in seconds. ``time_limit``: stop every run still going after that
+    many seconds (its logged steps and evaluations are kept)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
+    if gpu:
+        env["OMP_NUM_THREADS"] = "2"
+    start = time.monotonic()
     walls, procs = {}, {}
     for name in names:
         log = open(out / f"{name}.log", "w")
         t0 = time.monotonic()
-        cmd = command(out, name, RUNS[name], num_rollouts, extra, config)
+        cmd = command(out, name, RUNS[name], num_rollouts, extra, config, gpu)
         procs[name] = (subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), t0)
         if not parallel:
             procs[name][0].wait()
             walls[name] = time.monotonic() - t0
+    stopped = set()
     while len(walls) < len(procs):  # each run's own wall time, also when they run at once
         for name, (proc, t0) in procs.items():
             if name not in walls and proc.poll() is not None:
                 walls[name] = time.monotonic() - t0
+            elif name not in walls and time_limit and time.monotonic() - start > time_limit:
+                proc.terminate()
+                stopped.add(name)
         time.sleep(0.5)
     for name, (proc, _) in procs.items():
-        if proc.returncode != 0:
+        if proc.returncode != 0 and name in stopped:
+            print(f"run {name} stopped at the time limit; its logged rows are kept")
+        elif proc.returncode != 0:
             raise SystemExit(f"run {name} failed (rc {proc.returncode}); see {out / (name + '.log')}")
     return walls
 
@@ -140,7 +203,11 @@ def read_run(run_dir: Path, wall_s: float) -> dict:
         "wall_s": wall_s,
         # the final evaluation's weighted reward per (prompt, seed), for paired comparisons
         "final_scores": [r["reward"] for r in sorted(final, key=lambda r: (r["prompt"], r["seed"]))],
-        "train": [{"step": r["step"], "reward": r["reward/mean"]} for r in rows if "reward/mean" in r],
+        "train": [
+            {"step": r["step"], "reward": r["reward/mean"], "time_s": r["time"] - t0}
+            for r in rows
+            if "reward/mean" in r
+        ],
         "eval": [
             {
                 "step": e["step"],
@@ -174,7 +241,7 @@ def plot(results: dict, path: Path) -> None:
         axes,
         [
             ("optimizer step", "held-out adherence"),
-            ("wall time (s, 4 CPU processes)", "held-out adherence"),
+            ("wall time (s, from setup end)", "held-out adherence"),
             ("optimizer step", "training reward (rollout mean)"),
         ],
     ):
@@ -191,8 +258,9 @@ def table(results: dict, target: float) -> str:
     """One row per run; times are to the end of the final evaluation, from the end of the
     launch's setup (so runs that shared a machine compare by their own progress)."""
     lines = [
-        "| run | baseline held-out | final held-out | error 1 − adherence | best held-out | steps | time |",
-        "|---|---|---|---|---|---|---|",
+        "| run | baseline held-out | final held-out | error 1 − adherence | best held-out | steps | time "
+        "| training reward, first → last 5 rollouts |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name, res in results.items():
         ev = res["eval"]
@@ -200,7 +268,7 @@ def table(results: dict, target: float) -> str:
         ratio = (1 - final) / max(1 - base, 1e-9)
         lines.append(
             f"| {name} | {base:.3f} | {final:.3f} | {1 - base:.3f} → {1 - final:.3f} (×{ratio:.2f}) | "
-            f"{best:.3f} | {ev[-1]['step']} | {ev[-1]['time_s']:.0f} s |"
+            f"{best:.3f} | {ev[-1]['step']} | {ev[-1]['time_s']:.0f} s | {train_change(res['train'])} |"
         )
     lines.append("")
     lines.append(
@@ -208,34 +276,50 @@ def table(results: dict, target: float) -> str:
     )
     # The efficiency targets: DiffusionNFT within a third of Flow-GRPO's time (issue 14), AWM and
     # DGPO within a fifth (issue 32), against Flow-GRPO CFG-free and with CFG (guidance 4).
+    # Runs compare at the same learning rate: "awm-dp4-lr1e-4" against "dp4-lr1e-4".
     for label, run, divisor in (
         ("DiffusionNFT", "nft-dp4", 3),
         ("AWM", "awm-dp4", 5),
         ("DGPO", "dgpo-dp4", 5),
         ("DGPO", "cfg-dgpo-dp4", 5),
     ):
-        for grpo in ("dp4", "cfg-dp4"):
-            if grpo in results and run in results:
+        for grpo, lr in itertools.product(("dp4", "cfg-dp4"), ("", "-lr1e-4", "-lr3e-4")):
+            if grpo + lr in results and run + lr in results:
                 lines.append("")
-                lines.append(speedup_vs_grpo(grpo, results[grpo], label, run, results[run], divisor))
+                lines.append(
+                    speedup_vs_grpo(
+                        grpo + lr, results[grpo + lr], label, run + lr, results[run + lr], divisor
+                    )
+                )
     for name in results:
-        if name.endswith("-negated") and name.removesuffix("-negated") in results:
+        if "-negated" in name and name.replace("-negated", "") in results:
             lines.append("")
-            lines.append(versus_negated(name.removesuffix("-negated"), results))
+            lines.append(versus_negated(name.replace("-negated", ""), name, results))
     return "\n".join(lines)
 
 
-def versus_negated(name: str, results: dict, z: float = 3.0) -> str:
+def train_change(train: list[dict], n: int = 5) -> str:
+    """Mean training reward of the first and the last ``n`` rollouts (one row per rollout)."""
+    by_rollout = {}
+    for t in train:  # a rollout's steps log the same reward: keep its first
+        by_rollout.setdefault(round(t["reward"], 12), t["reward"])
+    rewards = list(by_rollout.values())
+    if len(rewards) < 2 * n:
+        return "—"
+    return f"{sum(rewards[:n]) / n:.3f} → {sum(rewards[-n:]) / n:.3f}"
+
+
+def versus_negated(name: str, negated: str, results: dict, z: float = 3.0) -> str:
     """The trained run against its negated twin on the same held-out samples: the mean paired
     separation of the final evaluation and its standard error (the learning test's criterion)."""
-    a, b = results[name]["final_scores"], results[f"{name}-negated"]["final_scores"]
+    a, b = results[name]["final_scores"], results[negated]["final_scores"]
     diffs = [x - y for x, y in zip(a, b)]
     n = len(diffs)
     mean = sum(diffs) / n
     se = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1) / n) if n > 1 else float("nan")
     ok = mean > z * se
     return (
-        f"{name} vs {name}-negated: final held-out separation {mean:+.3f} (paired SE {se:.3f}, "
+        f"{name} vs {negated}: final held-out separation {mean:+.3f} (paired SE {se:.3f}, "
         f"{mean / se if se else float('inf'):.1f} SE over {n} samples): target > {z:g} SE {'met' if ok else 'missed'}."
     )
 
@@ -266,10 +350,21 @@ def main() -> None:
     p.add_argument("--runs", nargs="+", default=DEFAULT_RUNS, choices=list(RUNS))
     p.add_argument("--target", type=float, default=0.5, help="final held-out error / baseline error")
     p.add_argument("--parallel", action="store_true", help="run the launches at once (needs >= 12 cores)")
+    p.add_argument("--gpu", action="store_true", help="one process per run on the GPU, bf16 (see _GPU)")
+    p.add_argument("--time-limit", type=float, default=None, help="stop runs still going after this many s")
     p.add_argument("extra", nargs="*", help="further train_grpo.py flags (after --)")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    walls = launch_all(args.out, args.runs, args.num_rollouts, args.extra, args.parallel, args.config)
+    walls = launch_all(
+        args.out,
+        args.runs,
+        args.num_rollouts,
+        args.extra,
+        args.parallel,
+        args.config,
+        args.gpu,
+        args.time_limit,
+    )
     results = {}
     for name in args.runs:
         results[name] = read_run(args.out / name, walls[name])

@@ -39,6 +39,7 @@ from miles.algorithms.matching import (
     velocity,
     velocity_gap,
 )
+from miles.rollout.batch import MicroBatch, RolloutBatch
 
 _METRICS = ("loss", "policy_loss", "matching_loss", "kl", "ema_kl")
 _EPS = 1e-10
@@ -88,7 +89,7 @@ class AWM(Algorithm):
     def sde_steps(self, num_steps: int, generator: torch.Generator) -> list[int]:
         return []  # ODE rollouts: only the clean samples are recorded
 
-    def forwards_per_sample(self, batch: dict) -> int:
+    def forwards_per_sample(self, batch: RolloutBatch) -> int:
         return self.awm.num_levels * (1 + int(self.uses_reference) + int(self.uses_old_policy))
 
     def rollout_transformers(self, policy: Policy):
@@ -106,7 +107,7 @@ class AWM(Algorithm):
             v_other = velocity(transformers, policy, x_t, sigma, chunk)
         return velocity_gap(*trained_part(chunk, v.float(), v_other.float())).mean()
 
-    def _level_loss(self, policy: Policy, chunk: dict, x0: Tensor, noise: Tensor, sigma, adv) -> tuple:
+    def _level_loss(self, policy: Policy, chunk: MicroBatch, x0: Tensor, noise: Tensor, sigma, adv) -> tuple:
         a = self.awm
         x_t = noised(x0, noise, sigma)
         v = velocity(policy.transformers, policy, x_t, sigma, chunk)
@@ -122,20 +123,22 @@ class AWM(Algorithm):
         loss = policy_loss + a.kl_beta * kl + a.ema_kl_beta * ema_kl
         return loss, policy_loss, err.mean(), kl, ema_kl
 
-    def accumulate(self, policy: Policy, batch: dict, chunks: list[dict]) -> dict[str, float]:
+    def accumulate(
+        self, policy: Policy, batch: RolloutBatch, chunks: list[MicroBatch], step_in_rollout: int = 0
+    ) -> dict[str, float]:
         a = self.awm
-        samples = sum(c["rollout"].final_latents.shape[0] for c in chunks)
-        sigmas = step_levels(policy, batch, 11, self.candidates, a.num_levels)
+        samples = sum(c.rollout.final_latents.shape[0] for c in chunks)
+        sigmas = step_levels(policy, batch, step_in_rollout, 11, self.candidates, a.num_levels)
         sums = dict.fromkeys(_METRICS, 0.0)
         for chunk in chunks:
-            x0 = chunk["rollout"].final_latents.float()
-            ids = batch["sample_ids"][chunk["slice"]].tolist()
+            x0 = chunk.rollout.final_latents.float()
+            ids = batch.sample_ids[chunk.slice].tolist()
             adv = awm_advantages(
-                batch["advantages"][chunk["slice"]].float(), self.grpo.adv_clip_max, a.advantage_max
+                batch.advantages[chunk.slice].float(), self.grpo.adv_clip_max, a.advantage_max
             )
             weight = x0.shape[0] / (samples * a.num_levels)
             for j, sigma in enumerate(sigmas.to(x0.device)):
-                noise = forward_noise(policy, ids, x0.shape[1:], 12, batch["rollout_index"], j).to(x0.device)
+                noise = forward_noise(policy, ids, x0.shape[1:], 12, batch.rollout_index, j).to(x0.device)
                 values = self._level_loss(policy, chunk, x0, noise, sigma, adv.to(x0.device))
                 (values[0] * weight).backward()
                 for key, value in zip(_METRICS, values):

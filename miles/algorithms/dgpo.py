@@ -47,6 +47,7 @@ from miles.algorithms.matching import (
     velocity,
     velocity_gap,
 )
+from miles.rollout.batch import MicroBatch, RolloutBatch
 
 _METRICS = ("loss", "policy_loss", "matching_loss", "kl", "group_weight", "clipfrac")
 
@@ -102,7 +103,7 @@ class DGPO(Algorithm):
     def sde_steps(self, num_steps: int, generator: torch.Generator) -> list[int]:
         return []  # ODE rollouts: only the clean samples are recorded
 
-    def forwards_per_sample(self, batch: dict) -> int:
+    def forwards_per_sample(self, batch: RolloutBatch) -> int:
         ref = (2 if self.dgpo.reference_guidance_scale > 1 else 1) if self.uses_reference else 0
         return self.dgpo.num_levels * (2 + ref + int(self.uses_old_policy))
 
@@ -117,7 +118,7 @@ class DGPO(Algorithm):
         return {"old_decay": decay}
 
     @torch.no_grad()
-    def _errors(self, policy: Policy, chunk: dict, x0: Tensor, noise: Tensor, sigma) -> dict:
+    def _errors(self, policy: Policy, chunk: MicroBatch, x0: Tensor, noise: Tensor, sigma) -> dict:
         """The no-grad pass of one micro-batch: e, e_ref, e_old and v_ref (generated parts, fp32)."""
         x_t = noised(x0, noise, sigma)
         out = {}
@@ -134,20 +135,24 @@ class DGPO(Algorithm):
             out["err_old"] = matching_error(trained_part(chunk, v_old.float())[0], x0_g, noise_g)
         return out
 
-    def _noise(self, policy: Policy, batch: dict, chunk: dict, x0: Tensor, level: int) -> Tensor:
-        key = "group_ids" if self.dgpo.shared_noise else "sample_ids"
-        keys = batch[key][chunk["slice"]].tolist()
-        return forward_noise(policy, keys, x0.shape[1:], 13, batch["rollout_index"], level).to(x0.device)
+    def _noise(
+        self, policy: Policy, batch: RolloutBatch, chunk: MicroBatch, x0: Tensor, level: int
+    ) -> Tensor:
+        ids = batch.group_ids if self.dgpo.shared_noise else batch.sample_ids
+        keys = ids[chunk.slice].tolist()
+        return forward_noise(policy, keys, x0.shape[1:], 13, batch.rollout_index, level).to(x0.device)
 
-    def _level(self, policy: Policy, batch: dict, chunks: list[dict], sigma, level: int) -> dict:
+    def _level(
+        self, policy: Policy, batch: RolloutBatch, chunks: list[MicroBatch], sigma, level: int
+    ) -> dict:
         """One level's two passes over the step's micro-batches; returns its metrics."""
         d = self.dgpo
-        x0s = [c["rollout"].final_latents.float() for c in chunks]
+        x0s = [c.rollout.final_latents.float() for c in chunks]
         noises = [self._noise(policy, batch, c, x0, level) for c, x0 in zip(chunks, x0s)]
         passes = [self._errors(policy, c, x0, n, sigma) for c, x0, n in zip(chunks, x0s, noises)]
         cat = {k: torch.cat([p[k] for p in passes]) for k in passes[0] if k != "v_ref"}
-        adv = torch.cat([batch["advantages"][c["slice"]] for c in chunks]).float().to(x0s[0].device)
-        gids = torch.cat([batch["group_ids"][c["slice"]] for c in chunks]).to(adv.device)
+        adv = torch.cat([batch.advantages[c.slice] for c in chunks]).float().to(x0s[0].device)
+        gids = torch.cat([batch.group_ids[c.slice] for c in chunks]).to(adv.device)
         pref = cat["err_old"] if d.ema_reference else cat["err_ref"]
         coef, w, clip = dgpo_coefficients(
             cat["err"], pref, adv, gids, d.beta_dpo, cat.get("err_old"), d.clip_range
@@ -174,8 +179,10 @@ class DGPO(Algorithm):
             "clipfrac": float(clip.float().mean()),
         }
 
-    def accumulate(self, policy: Policy, batch: dict, chunks: list[dict]) -> dict[str, float]:
-        sigmas = step_levels(policy, batch, 14, self.candidates, self.dgpo.num_levels)
+    def accumulate(
+        self, policy: Policy, batch: RolloutBatch, chunks: list[MicroBatch], step_in_rollout: int = 0
+    ) -> dict[str, float]:
+        sigmas = step_levels(policy, batch, step_in_rollout, 14, self.candidates, self.dgpo.num_levels)
         sums = dict.fromkeys(_METRICS, 0.0)
         for level, sigma in enumerate(sigmas):
             for key, value in self._level(policy, batch, chunks, sigma, level).items():

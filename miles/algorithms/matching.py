@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from miles.algorithms.base import Policy
+from miles.rollout.batch import MicroBatch, RolloutBatch
 from miles.rollout.condition import generated
 from miles.rollout.sampler import NUM_TRAIN_TIMESTEPS, flow_sigmas, predict_velocity
 
@@ -62,9 +63,11 @@ def draw_levels(candidates: Tensor, num_levels: int, generator: torch.Generator)
     return candidates[torch.randperm(len(candidates), generator=generator)[:num_levels]]
 
 
-def step_levels(policy: Policy, batch: dict, salt: int, candidates: Tensor, num_levels: int) -> Tensor:
+def step_levels(
+    policy: Policy, batch: RolloutBatch, step_in_rollout: int, salt: int, candidates: Tensor, num_levels: int
+) -> Tensor:
     """The optimizer step's noise levels, the same on every rank."""
-    g = policy.generator(salt, batch["rollout_index"], batch["step_in_rollout"])
+    g = policy.generator(salt, batch.rollout_index, step_in_rollout)
     return draw_levels(candidates, num_levels, g)
 
 
@@ -76,7 +79,7 @@ def forward_noise(policy: Policy, keys: list[int], shape, salt: int, rollout: in
 
 
 def velocity(
-    transformers, policy: Policy, x: Tensor, sigma: Tensor, chunk: dict, guidance: float = 1.0
+    transformers, policy: Policy, x: Tensor, sigma: Tensor, chunk: MicroBatch, guidance: float = 1.0
 ) -> Tensor:
     """The velocity at x_σ: the conditional branch (CFG-free) unless ``guidance`` > 1, then CFG with
     the rollout's negative prompt at that scale for every expert."""
@@ -85,12 +88,12 @@ def velocity(
         transformers,
         x,
         sigma * NUM_TRAIN_TIMESTEPS,
-        chunk["pos"],
-        chunk["neg"] if cfg else None,
+        chunk.pos,
+        chunk.neg if cfg else None,
         [guidance] * len(transformers) if cfg else policy.guidance_scales,
         policy.boundary_ratio,
         policy.expand_timesteps,
-        chunk.get("condition"),
+        chunk.condition,
     )
 
 
@@ -110,9 +113,9 @@ def noised(x0: Tensor, noise: Tensor, sigma: Tensor) -> Tensor:
     return (1.0 - sigma) * x0 + sigma * noise
 
 
-def trained_part(chunk: dict, *tensors: Tensor) -> tuple[Tensor, ...]:
+def trained_part(chunk: MicroBatch, *tensors: Tensor) -> tuple[Tensor, ...]:
     """Each tensor's generated part: a first-frame image condition's frame is clean, no loss on it."""
-    return generated(chunk.get("condition"), *tensors)
+    return generated(chunk.condition, *tensors)
 
 
 def linear_decay(step: int, rate: float, max_decay: float) -> float:

@@ -42,6 +42,7 @@ from miles.algorithms.matching import (
     trained_part,
     velocity,
 )
+from miles.rollout.batch import MicroBatch, RolloutBatch
 
 _METRICS = ("loss", "implicit_accuracy", "pairs_per_group", "matching_loss", "reference_matching_loss")
 
@@ -101,7 +102,7 @@ class OnlineDPO(Algorithm):
     def sde_steps(self, num_steps: int, generator: torch.Generator) -> list[int]:
         return []  # ODE rollouts: only the clean samples are recorded
 
-    def forwards_per_sample(self, batch: dict) -> int:
+    def forwards_per_sample(self, batch: RolloutBatch) -> int:
         return self.dpo.num_levels * 3  # policy (no grad, then with grad) and reference
 
     def rollout_transformers(self, policy: Policy):
@@ -116,7 +117,9 @@ class OnlineDPO(Algorithm):
         return {"reference_updated": float(update)}
 
     @torch.no_grad()
-    def _errors(self, policy: Policy, chunk: dict, x0: Tensor, noise: Tensor, sigma) -> tuple[Tensor, Tensor]:
+    def _errors(
+        self, policy: Policy, chunk: MicroBatch, x0: Tensor, noise: Tensor, sigma
+    ) -> tuple[Tensor, Tensor]:
         x_t = noised(x0, noise, sigma)
         x0_g, noise_g = trained_part(chunk, x0, noise)
         v = velocity(policy.transformers, policy, x_t, sigma, chunk)
@@ -128,29 +131,35 @@ class OnlineDPO(Algorithm):
         v, v_ref = trained_part(chunk, v.float(), v_ref.float())
         return matching_error(v, x0_g, noise_g), matching_error(v_ref, x0_g, noise_g)
 
-    def _pairs(self, batch: dict, chunks: list[dict]) -> list[list]:
-        """The step's pairs; the margin is on the trained rewards the trainer adds to the batch
-        (``rewards``; without them only the advantages' order counts, and a margin is refused)."""
+    def _pairs(self, batch: RolloutBatch, chunks: list[MicroBatch]) -> list[list]:
+        """The step's pairs; the margin is on the trained rewards scoring sets on the batch
+        (``batch.rewards``; without them only the advantages' order counts, and a margin is refused)."""
         d = self.dpo
-        cat = lambda key: torch.cat([batch[key][c["slice"]].cpu() for c in chunks])  # noqa: E731
-        if "rewards" not in batch and d.reward_margin > 0:
-            raise ValueError("dpo.reward_margin needs the rollout's rewards (batch['rewards'])")
-        adv = cat("advantages").float()
-        rewards = cat("rewards").float() if "rewards" in batch else adv
-        return select_pairs(adv, rewards, cat("group_ids"), d.pairs, d.reward_margin)
+        cat = lambda values: torch.cat([values[c.slice].cpu() for c in chunks])  # noqa: E731
+        if batch.rewards is None and d.reward_margin > 0:
+            raise ValueError(
+                "dpo.reward_margin needs the rollout's rewards (RolloutBatch.rewards, set by scoring)"
+            )
+        adv = cat(batch.advantages).float()
+        rewards = cat(batch.rewards).float() if batch.rewards is not None else adv
+        return select_pairs(adv, rewards, cat(batch.group_ids), d.pairs, d.reward_margin)
 
-    def _noise(self, policy: Policy, batch: dict, chunk: dict, x0: Tensor, level: int) -> Tensor:
+    def _noise(
+        self, policy: Policy, batch: RolloutBatch, chunk: MicroBatch, x0: Tensor, level: int
+    ) -> Tensor:
         """A group's samples share the level's noise, so a pair's members see the same ε."""
-        keys = batch["group_ids"][chunk["slice"]].tolist()
-        return forward_noise(policy, keys, x0.shape[1:], 16, batch["rollout_index"], level).to(x0.device)
+        keys = batch.group_ids[chunk.slice].tolist()
+        return forward_noise(policy, keys, x0.shape[1:], 16, batch.rollout_index, level).to(x0.device)
 
-    def accumulate(self, policy: Policy, batch: dict, chunks: list[dict]) -> dict[str, float]:
+    def accumulate(
+        self, policy: Policy, batch: RolloutBatch, chunks: list[MicroBatch], step_in_rollout: int = 0
+    ) -> dict[str, float]:
         d = self.dpo
         pairs = self._pairs(batch, chunks)
-        sigmas = step_levels(policy, batch, 15, self.candidates, d.num_levels)
+        sigmas = step_levels(policy, batch, step_in_rollout, 15, self.candidates, d.num_levels)
         sums = dict.fromkeys(_METRICS, 0.0)
         sums["pairs_per_group"] = sum(len(p) for p in pairs) / len(pairs)
-        x0s = [c["rollout"].final_latents.float() for c in chunks]
+        x0s = [c.rollout.final_latents.float() for c in chunks]
         for level, sigma in enumerate(sigmas):
             noises = [self._noise(policy, batch, c, x0, level) for c, x0 in zip(chunks, x0s)]
             errs = [self._errors(policy, c, x0, n, sigma) for c, x0, n in zip(chunks, x0s, noises)]

@@ -184,6 +184,7 @@ def _setup(section: dict, name: str):
     from miles.algorithms import build_algorithm
     from miles.algorithms.base import Policy
     from miles.config import AlgorithmConfig, Config, RolloutConfig
+    from miles.rollout.batch import MicroBatch, RolloutBatch
 
     cfg = Config(algorithm=AlgorithmConfig(name=name), rollout=RolloutConfig(num_steps=8), **section)
     trained, reference, old = _Toy(0), _Toy(1).requires_grad_(False), _Toy(2).requires_grad_(False)
@@ -202,20 +203,21 @@ def _setup(section: dict, name: str):
     pos = torch.randn(n, 3, 4, generator=g)
     neg = torch.randn(1, 3, 4, generator=g)  # the negative prompt, batch 1 as the prompt cache gives it
     adv = torch.tensor([1.2, -0.4, 0.3, -1.1, 0.7, -0.9, 0.1, 0.1])
-    batch = {
-        "rollout_index": 3,
-        "step_in_rollout": 0,
-        "sample_ids": torch.arange(n),
-        "group_ids": torch.tensor([0, 0, 0, 0, 1, 1, 1, 1]),
-        "advantages": adv,
-        "rewards": torch.tensor([0.9, 0.2, 0.5, 0.1, 0.8, 0.0, 0.4, 0.45]),
-    }
+    batch = RolloutBatch(
+        prompts=[""] * n,
+        images=[None] * n,
+        group_ids=torch.tensor([0, 0, 0, 0, 1, 1, 1, 1]),
+        sample_ids=torch.arange(n),
+        rollout_index=3,
+        chunks=[],
+        sde_steps=[],
+        advantages=adv,
+        rewards=torch.tensor([0.9, 0.2, 0.5, 0.1, 0.8, 0.0, 0.4, 0.45]),
+    )
     slices = [slice(0, 3), slice(3, 6), slice(6, 8)]
-    chunks = [
-        {"slice": s, "pos": pos[s], "neg": neg, "rollout": SimpleNamespace(final_latents=x0[s])}
-        for s in slices
-    ]
-    whole = {"slice": slice(0, n), "pos": pos, "neg": neg, "rollout": SimpleNamespace(final_latents=x0)}
+    chunks = [MicroBatch(s, pos[s], neg, SimpleNamespace(final_latents=x0[s])) for s in slices]
+    batch.chunks = chunks
+    whole = MicroBatch(slice(0, n), pos, neg, SimpleNamespace(final_latents=x0))
     return build_algorithm(cfg), policy, batch, chunks, whole, (trained, reference, old)
 
 
@@ -226,10 +228,10 @@ def _compare(algo, policy, batch, chunks, whole, trained, num_levels, salts, noi
     algo.accumulate(policy, batch, chunks)
     chunked = [p.grad.clone() for p in trained.parameters()]
     trained.zero_grad()
-    x0 = whole["rollout"].final_latents
-    for j, sigma in enumerate(step_levels(policy, batch, salts[0], algo.candidates, num_levels)):
-        keys = batch[noise_key].tolist()
-        noise = forward_noise(policy, keys, x0.shape[1:], salts[1], batch["rollout_index"], j)
+    x0 = whole.rollout.final_latents
+    for j, sigma in enumerate(step_levels(policy, batch, 0, salts[0], algo.candidates, num_levels)):
+        keys = getattr(batch, noise_key).tolist()
+        noise = forward_noise(policy, keys, x0.shape[1:], salts[1], batch.rollout_index, j)
         (loss_of_level(x0, noise, sigma) / num_levels).backward()
     for a, b in zip(chunked, trained.parameters()):
         torch.testing.assert_close(a, b.grad, rtol=1e-5, atol=1e-7)
@@ -250,7 +252,7 @@ def test_dgpo_accumulate_matches_the_whole_step_loss(ref_guidance):
     algo, policy, batch, chunks, whole, (trained, ref, old) = _setup(
         {"dgpo": DGPOConfig(clip_range=0.05, kl_beta=0.1, reference_guidance_scale=ref_guidance)}, "dgpo"
     )
-    adv, gids = batch["advantages"], batch["group_ids"]
+    adv, gids = batch.advantages, batch.group_ids
 
     def loss(x0, noise, sigma):
         v = _v([trained], policy, whole, x0, noise, sigma)
@@ -260,7 +262,7 @@ def test_dgpo_accumulate_matches_the_whole_step_loss(ref_guidance):
             if ref_guidance > 1:  # written out: v_uncond + g (v_cond − v_uncond)
                 x_t = (1 - sigma) * x0 + sigma * noise
                 t = (sigma * 1000).expand(8)
-                cond, uncond = ref(x_t, t, whole["pos"])[0], ref(x_t, t, whole["neg"].expand(8, 3, 4))[0]
+                cond, uncond = ref(x_t, t, whole.pos)[0], ref(x_t, t, whole.neg.expand(8, 3, 4))[0]
                 torch.testing.assert_close(v_ref, uncond + ref_guidance * (cond - uncond))
             e_ref, e_old = (
                 matching_error(v_ref, x0, noise),
@@ -289,7 +291,7 @@ def test_online_dpo_accumulate_matches_the_whole_step_loss():
     )
     # ordered by advantage, rewards > 0.15 apart: not (1, 3) (0.1 apart) nor 6, 7 (tied advantages)
     pairs = [[(0, 1), (0, 2), (0, 3), (2, 1), (2, 3)], [(4, 5), (4, 6), (4, 7), (6, 5), (7, 5)]]
-    assert select_pairs(batch["advantages"], batch["rewards"], batch["group_ids"], "margin", 0.15) == pairs
+    assert select_pairs(batch.advantages, batch.rewards, batch.group_ids, "margin", 0.15) == pairs
 
     def loss(x0, noise, sigma):
         e = matching_error(_v([trained], policy, whole, x0, noise, sigma), x0, noise)
@@ -309,7 +311,7 @@ def test_awm_accumulate_matches_the_whole_step_loss():
 
     awm = AWMConfig(weighting="t", kl_beta=0.1, ema_kl_beta=0.5)
     algo, policy, batch, chunks, whole, (trained, ref, old) = _setup({"awm": awm}, "awm")
-    adv = batch["advantages"] / 5.0  # rescaled to advantage_max 1 of adv_clip_max 5
+    adv = batch.advantages / 5.0  # rescaled to advantage_max 1 of adv_clip_max 5
 
     def loss(x0, noise, sigma):
         v = _v([trained], policy, whole, x0, noise, sigma)
@@ -362,3 +364,21 @@ def test_bad_settings_name_the_fix(name, sections, match):
     )
     with pytest.raises(ValueError, match=match):
         build_algorithm(cfg)
+
+
+def test_online_dpo_without_rewards_pairs_by_advantage_and_refuses_a_margin():
+    """``RolloutBatch.rewards`` is set by scoring; a batch without it pairs by advantage alone."""
+    from miles.config import DPOConfig
+
+    algo, policy, batch, chunks, _, _ = _setup(
+        {"dpo": DPOConfig(pairs="margin", reward_margin=0.15)}, "online_dpo"
+    )
+    batch.rewards = None
+    with pytest.raises(ValueError, match="dpo.reward_margin needs the rollout's rewards"):
+        algo.accumulate(policy, batch, chunks)
+    algo, policy, batch, chunks, _, _ = _setup(
+        {"dpo": DPOConfig(pairs="margin", reward_margin=0.0)}, "online_dpo"
+    )
+    with_rewards = algo._pairs(batch, chunks)
+    batch.rewards = None
+    assert algo._pairs(batch, chunks) == with_rewards  # margin 0: only the advantages' order counts
