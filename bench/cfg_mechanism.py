@@ -133,6 +133,39 @@ def branch_gradients(transformer, ro, batch, g: float, adv, clip: float) -> dict
     return out
 
 
+def text_path_share(groups: dict[str, float]) -> float:
+    """Fraction of the gradient's squared norm in the text path (cross-attention, text embedder)."""
+    total = sum(v**2 for v in groups.values())
+    return (groups["attn2"] ** 2 + groups["condition_embedder.text"] ** 2) / total
+
+
+def policy_gradient(transformer, ro, batch, g: float, adv, clip: float) -> torch.Tensor:
+    """The flattened gradient of the clipped loss at ratio 1 (the policy-gradient estimate)."""
+    old = [t["log_prob"].detach() for t in step_terms(transformer, ro, batch, g)]
+    grads = grad_vector(transformer, clipped_loss(step_terms(transformer, ro, batch, g), old, adv, clip))
+    return torch.cat([v.flatten() for v in grads.values()])
+
+
+def gradient_agreement(model, batch, gs: tuple[float, float], ro, adv, args) -> dict:
+    """Cosine between the policy-gradient estimates of independent batches (same prompts, other
+    noise): how much of one batch's update is signal that another batch agrees with."""
+    transformer, (roll_g, train_g) = model.transformers[0], gs
+    grads = [policy_gradient(transformer, ro, batch, train_g, adv, args.clip_range)]
+    for j in range(1, args.num_batches):
+        other = dict(
+            batch, init=torch.randn(batch["init"].shape, generator=torch.Generator().manual_seed(1000 + j))
+        )
+        ro_j = rollout(model, other, roll_g, args.seed + 1000 + j)
+        adv_j = group_advantages(rewards_of(model, ro_j, batch["prompts"]), batch["group_ids"]).float()
+        grads.append(policy_gradient(transformer, ro_j, other, train_g, adv_j, args.clip_range))
+    cos = [
+        float(torch.nn.functional.cosine_similarity(grads[i], grads[j], dim=0))
+        for i in range(len(grads))
+        for j in range(i + 1, len(grads))
+    ]
+    return {"pairwise_cos": cos, "mean_cos": sum(cos) / len(cos)}
+
+
 def rollout(model, batch, g: float, seed: int):
     """The batch sampled at guidance g from the batch's initial noise, SDE noise from ``seed``."""
     return sample_with_logprob(
@@ -243,6 +276,8 @@ def measure_mode(model, batch, gs: tuple[float, float], args) -> dict:
     out = {"rollout_guidance": roll_g, "train_guidance": train_g, "reward_mean": float(rewards.mean())}
     out["within_group_reward_std"] = float(group_std.mean())
     out["gradients"] = branch_gradients(transformer, ro, batch, train_g, adv, args.clip_range)
+    out["gradients"]["text_path_share"] = text_path_share(out["gradients"]["full"]["groups"])
+    out["gradient_agreement"] = gradient_agreement(model, batch, gs, ro, adv, args)
     out["updates"] = {
         str(lr): train_on_batch(model, ro, batch, gs, adv, lr, args, rewards) for lr in args.lrs
     }
@@ -268,6 +303,33 @@ def make_batch(model, args) -> dict:
     return dict(prompts=prompts, pos=pos, neg=neg[:1], shape=shape, init=init, group_ids=group_ids)
 
 
+def table(results: dict) -> str:
+    """A markdown table of the main numbers per mode (first learning rate, first and last update)."""
+    rows = [
+        "| mode | reward | within-group std | ‖g_cond‖/‖g‖ | cos(g_cond, g_uncond) | text-path share | cos(g, g') "
+        "| ‖Δv_guided‖/‖Δv_c‖ "
+        "| median \\|log r\\| (1st step) | clipfrac 1e-4 / 1e-3 (last) | cos(log r, A) | Δlogp A>0 / A<0 "
+        "| Δreward (1st / last) |",
+        "|---" * 13 + "|",
+    ]
+    for name, m in results.items():
+        if name == "config":
+            continue
+        grads, upd = m["gradients"], next(iter(m["updates"].values()))
+        first, last = upd["after_1"], upd[max(upd, key=lambda k: int(k.split("_")[1]))]
+        cond = f"{grads['norm_cond_over_full']:.2f}" if "cond" in grads else "—"
+        cos = f"{grads['cos_cond_uncond']:.2f}" if "cond" in grads else "—"
+        dv = f"{first['norm_dv_guided_over_dv_cond']:.2f}" if "norm_dv_guided_over_dv_cond" in first else "1"
+        rows.append(
+            f"| {name} | {m['reward_mean']:.3f} | {m['within_group_reward_std']:.3f} | {cond} | {cos} "
+            f"| {grads['text_path_share']:.2f} | {m['gradient_agreement']['mean_cos']:.2f} | {dv} "
+            f"| {first['median_abs_log_ratio']:.1e} | {last['clipfrac']['0.0001']:.2f} / {last['clipfrac']['0.001']:.2f} "
+            f"| {last['cos_log_ratio_advantage']:.2f} | {last['dlogp_positive_adv']:+.1e} / {last['dlogp_negative_adv']:+.1e} "
+            f"| {first['reward_change']:+.3f} / {last['reward_change']:+.3f} ± {last['reward_change_se']:.3f} |"
+        )
+    return "\n".join(rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="miles/world/pipeline")
@@ -282,13 +344,20 @@ def main() -> None:
         help="CFG rollouts at these scales, CFG-free training",
     )
     parser.add_argument("--lrs", type=float, nargs="+", default=[3e-5, 1e-4])
-    parser.add_argument("--num-updates", type=int, default=4, help="AdamW steps on the fixed batch")
+    parser.add_argument("--num-updates", type=int, default=3, help="AdamW steps on the fixed batch")
+    parser.add_argument(
+        "--num-batches", type=int, default=3, help="independent batches for gradient agreement"
+    )
     parser.add_argument("--clip-range", type=float, default=1e-4)
     parser.add_argument("--max-sequence-length", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=Path("docs/learning/cfg_mechanism.json"))
+    parser.add_argument("--table", type=Path, default=None, help="only print the table of this JSON")
     args = parser.parse_args()
+    if args.table is not None:
+        print(table(json.loads(args.table.read_text())))
+        return
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
     model = load_wan(ModelConfig(path=args.model), torch.device("cpu"))
@@ -304,6 +373,7 @@ def main() -> None:
         print(name, json.dumps(results[name]["updates"]), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1) + "\n")
+    print(table(results))
     print(f"wrote {args.out}")
 
 
