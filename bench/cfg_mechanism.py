@@ -277,7 +277,8 @@ def measure_mode(model, batch, gs: tuple[float, float], args) -> dict:
     out["within_group_reward_std"] = float(group_std.mean())
     out["gradients"] = branch_gradients(transformer, ro, batch, train_g, adv, args.clip_range)
     out["gradients"]["text_path_share"] = text_path_share(out["gradients"]["full"]["groups"])
-    out["gradient_agreement"] = gradient_agreement(model, batch, gs, ro, adv, args)
+    if args.num_batches > 1:
+        out["gradient_agreement"] = gradient_agreement(model, batch, gs, ro, adv, args)
     out["updates"] = {
         str(lr): train_on_batch(model, ro, batch, gs, adv, lr, args, rewards) for lr in args.lrs
     }
@@ -319,10 +320,11 @@ def table(results: dict) -> str:
         first, last = upd["after_1"], upd[max(upd, key=lambda k: int(k.split("_")[1]))]
         cond = f"{grads['norm_cond_over_full']:.2f}" if "cond" in grads else "—"
         cos = f"{grads['cos_cond_uncond']:.2f}" if "cond" in grads else "—"
+        agree = f"{m['gradient_agreement']['mean_cos']:.2f}" if "gradient_agreement" in m else "—"
         dv = f"{first['norm_dv_guided_over_dv_cond']:.2f}" if "norm_dv_guided_over_dv_cond" in first else "1"
         rows.append(
             f"| {name} | {m['reward_mean']:.3f} | {m['within_group_reward_std']:.3f} | {cond} | {cos} "
-            f"| {grads['text_path_share']:.2f} | {m['gradient_agreement']['mean_cos']:.2f} | {dv} "
+            f"| {grads['text_path_share']:.2f} | {agree} | {dv} "
             f"| {first['median_abs_log_ratio']:.1e} | {last['clipfrac']['0.0001']:.2f} / {last['clipfrac']['0.001']:.2f} "
             f"| {last['cos_log_ratio_advantage']:.2f} | {last['dlogp_positive_adv']:+.1e} / {last['dlogp_negative_adv']:+.1e} "
             f"| {first['reward_change']:+.3f} / {last['reward_change']:+.3f} ± {last['reward_change_se']:.3f} |"
@@ -371,8 +373,8 @@ def main() -> None:
         name = "cfg_free" if gs[0] <= 1 else f"cfg_{gs[0]:g}" + ("_train_cond" if gs[1] <= 1 else "")
         results[name] = measure_mode(model, batch, gs, args)
         print(name, json.dumps(results[name]["updates"]), flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=1) + "\n")
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=1) + "\n")  # after every mode: partial runs count
     print(table(results))
     print(f"wrote {args.out}")
 
