@@ -20,9 +20,9 @@ advantages, and then, from the pretrained weights each time:
    "CFG rollouts, CFG-free training" would start its ratios from).
 
 Modes: ``cfg_free`` (guidance 1, train the conditional branch: the world recipe), ``cfg_g`` for
-each guidance g > 1 (CFG rollouts, ``grpo.train_cfg`` true) and ``cfg_g_train_cond`` (CFG rollouts,
-the conditional branch trained with old log-probs recomputed under it: a candidate fix). The numbers go to a JSON file; the
-explanation is docs/learning_cfg.md. Cheap: a few CPU-minutes per mode at the defaults (32 samples).
+each guidance g > 1 (CFG rollouts, ``grpo.train_cfg`` true) and ``cfg_g_train_cond`` (CFG
+rollouts, the conditional branch trained with old log-probs recomputed under it: a candidate fix).
+The numbers go to a JSON file and a table is printed; the explanation is docs/learning_cfg.md. Cheap: a few CPU-minutes per mode at the defaults (32 samples).
 """
 
 from __future__ import annotations

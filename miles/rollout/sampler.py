@@ -17,7 +17,8 @@ recompute equals the rollout's log-prob bit for bit (fp32, CPU).
   denoise it. All other steps are ODE (Euler) steps and are not recorded.
 - ``sde_type="flow_grpo_wan"`` follows flow_grpo's Wan sampler instead: every step is an SDE step,
   the last one included (its noise stays in the output, as there), and the recorded (trained)
-  steps are the first ⌊fraction·T⌋, which may include the last; a window keeps the rule above.
+  steps are the first ⌊fraction·T⌋, which may include the last (a window is drawn as above,
+  every step still noisy).
 - CFG is batched: one forward over [cond; uncond] (2B samples), then v = v_u + g·(v_c − v_u)
   in fp32. A step uses CFG iff negative embeddings are given and its expert's scale is > 1
   (diffusers' rule, applied per expert).
