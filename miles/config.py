@@ -162,8 +162,9 @@ class RolloutConfig:
     """CFG scale of the low-noise expert (two-expert models); None: same as guidance_scale."""
     noise_level: float = 0.7
     """SDE noise level a: sigma_t = a * sqrt(sigma / (1 - sigma)) (``sde``), or
-    sigma_t = sigma_next * sin(a * pi / 2) with a in (0, 1] (``cps``). ``flow_grpo_wan`` has no
-    noise level (it only needs a > 0 to take SDE steps at all)."""
+    sigma_t = sigma_next * sin(a * pi / 2) with a in (0, 1] (``cps``). Ignored by ``flow_grpo_wan``,
+    whose noise sigma_t = sigmas[1] * sigma has no level: any a > 0 gives its SDE rollouts, 0 the
+    ODE (as for every sde_type)."""
     sde_type: Literal["sde", "cps", "flow_grpo_wan"] = "sde"
     """The stochastic step: ``sde`` (Flow-GRPO's SDE as in the paper and flow_grpo's SD3/FLUX
     scripts, sigma_t = a * sqrt(sigma / (1 - sigma))), ``cps`` (coefficients-preserving sampling,
@@ -416,6 +417,14 @@ def validate(cfg: Config) -> None:
         ),
         (0.0 < cfg.rollout.timestep_fraction <= 1.0, "rollout.timestep_fraction must be in (0, 1]"),
         (cfg.rollout.noise_level >= 0.0, "rollout.noise_level must be >= 0"),
+        (
+            cfg.rollout.sde_type != "flow_grpo_wan"
+            or cfg.rollout.sde_window_size > 0
+            or math.floor(round(cfg.rollout.timestep_fraction * cfg.rollout.num_steps, 9)) >= 1,
+            f"rollout.sde_type flow_grpo_wan trains floor(rollout.timestep_fraction * rollout.num_steps) "
+            f"= floor({cfg.rollout.timestep_fraction} * {cfg.rollout.num_steps}) = 0 steps: raise "
+            f"rollout.timestep_fraction to at least 1 / num_steps (its Wan recipe uses 0.99)",
+        ),
         (
             cfg.rollout.sde_type != "cps" or cfg.rollout.noise_level <= 1.0,
             "rollout.noise_level must be in (0, 1] with rollout.sde_type cps (sigma_t = sigma_next * sin(a*pi/2))",

@@ -102,6 +102,19 @@ def test_trained_step_count_is_floor():
         sde_step_indices(8, timestep_fraction=0.1, sde_type="flow_grpo_wan")
 
 
+def test_config_refuses_a_fraction_that_trains_no_step():
+    """Refused when the config is read, not at the first rollout; a window ignores the fraction."""
+    from miles.config import Config, ConfigError, RolloutConfig
+
+    with pytest.raises(ConfigError, match=r"floor\(0.1 \* 8\) = 0 steps: raise rollout.timestep_fraction"):
+        Config(rollout=RolloutConfig(sde_type="flow_grpo_wan", num_steps=8, timestep_fraction=0.1))
+    Config(rollout=RolloutConfig(sde_type="flow_grpo_wan", num_steps=8, timestep_fraction=0.125))
+    Config(
+        rollout=RolloutConfig(sde_type="flow_grpo_wan", num_steps=8, timestep_fraction=0.1, sde_window_size=2)
+    )
+    Config(rollout=RolloutConfig(sde_type="sde", num_steps=8, timestep_fraction=0.1))  # ceil: one step
+
+
 class _Linear(torch.nn.Module):
     """A stand-in transformer: v = w·x (enough to test the sampler's plumbing)."""
 
