@@ -162,13 +162,21 @@ class RolloutConfig:
     """CFG scale of the low-noise expert (two-expert models); None: same as guidance_scale."""
     noise_level: float = 0.7
     """SDE noise level a: sigma_t = a * sqrt(sigma / (1 - sigma)) (``sde``), or
-    sigma_t = sigma_next * sin(a * pi / 2) with a in (0, 1] (``cps``)."""
-    sde_type: Literal["sde", "cps"] = "sde"
-    """The stochastic step: ``sde`` (Flow-GRPO's SDE) or ``cps`` (coefficients-preserving sampling,
+    sigma_t = sigma_next * sin(a * pi / 2) with a in (0, 1] (``cps``). Ignored by ``flow_grpo_wan``,
+    whose noise sigma_t = sigmas[1] * sigma has no level: any a > 0 gives its SDE rollouts, 0 the
+    ODE (as for every sde_type)."""
+    sde_type: Literal["sde", "cps", "flow_grpo_wan"] = "sde"
+    """The stochastic step: ``sde`` (Flow-GRPO's SDE as in the paper and flow_grpo's SD3/FLUX
+    scripts, sigma_t = a * sqrt(sigma / (1 - sigma))), ``cps`` (coefficients-preserving sampling,
     arXiv 2509.05952: re-noises the predicted clean sample at exactly the path's noise level; its
-    log-prob is flow_grpo's unnormalised one)."""
+    log-prob is flow_grpo's unnormalised one), or ``flow_grpo_wan`` (flow_grpo's Wan step, as its
+    scripts/train_wan2_1.py samples and trains it: sigma_t = sigmas[1] * sigma with no noise level,
+    every denoising step noisy including the last, floor(timestep_fraction * num_steps) steps
+    trained; add grpo.step_loss_weight sigma_over_sqrt_dt for its loss weight)."""
     timestep_fraction: float = 0.6
-    """Fraction of denoising steps that use the SDE (and are trained on) when no window is set."""
+    """Fraction of denoising steps that use the SDE (and are trained on) when no window is set:
+    the first ceil(fraction * num_steps), at most num_steps - 1 (``sde``, ``cps``), or the first
+    floor(fraction * num_steps) (``flow_grpo_wan``; its Wan recipe uses 0.99)."""
     sde_window_size: int = 0
     """If > 0, the SDE runs on a window of this many consecutive steps, ODE elsewhere."""
     sde_window_range: list[int] = dataclasses.field(default_factory=lambda: [0, 4])
@@ -282,12 +290,15 @@ class GRPOConfig:
     kl_beta: float = 0.0
     """β, the weight of the KL penalty to the reference (initial) policy: loss = policy loss +
     β·KL, KL the exact KL between the current and the reference policy's Gaussian SDE steps,
-    mean((μ − μ_ref)²) / (2σ_t²|dt|) per latent element, averaged over the trained steps. flow_grpo's
-    SD3 script divides by 2σ_t² (no |dt|): its β is this β / |dt|. 0 turns it off."""
+    mean((μ − μ_ref)²) / (2σ_t²|dt|) per latent element, averaged over the trained steps (as
+    flow_grpo's Wan script computes it). flow_grpo's SD3 script divides by 2σ_t² (no |dt|): its β
+    is this β / |dt|. 0 turns it off."""
     step_loss_weight: Literal["none", "sigma_over_sqrt_dt"] = "none"
     """Per-SDE-step weight of the policy loss: ``none`` (every step alike, the paper's and flow_grpo's
-    SD3 script), or ``sigma_over_sqrt_dt``: sigma_t / sqrt(|dt|) as flow_grpo's Wan script weights it.
-    ``grpo_guard`` weights by 1/|dt| itself (leave this ``none``)."""
+    SD3 script), or ``sigma_over_sqrt_dt``: sigma_t / sqrt(|dt|) with sigma_t the chosen SDE's noise
+    scale. With rollout.sde_type flow_grpo_wan this is flow_grpo's Wan-script weight exactly; with
+    ``sde`` it puts that form on the SD3 noise (no flow_grpo script does). ``grpo_guard`` weights by
+    1/|dt| itself (leave this ``none``)."""
     train_cfg: bool = True
     """Recompute the log-probs with the rollout's CFG (true), or from the conditional branch alone
     (false: no-CFG training, flow_grpo's ``train.cfg``; roll out with guidance_scale 1 to stay on-policy)."""
@@ -501,6 +512,14 @@ def validate(cfg: Config) -> None:
         ),
         (0.0 < cfg.rollout.timestep_fraction <= 1.0, "rollout.timestep_fraction must be in (0, 1]"),
         (cfg.rollout.noise_level >= 0.0, "rollout.noise_level must be >= 0"),
+        (
+            cfg.rollout.sde_type != "flow_grpo_wan"
+            or cfg.rollout.sde_window_size > 0
+            or math.floor(round(cfg.rollout.timestep_fraction * cfg.rollout.num_steps, 9)) >= 1,
+            f"rollout.sde_type flow_grpo_wan trains floor(rollout.timestep_fraction * rollout.num_steps) "
+            f"= floor({cfg.rollout.timestep_fraction} * {cfg.rollout.num_steps}) = 0 steps: raise "
+            f"rollout.timestep_fraction to at least 1 / num_steps (its Wan recipe uses 0.99)",
+        ),
         (
             cfg.rollout.sde_type != "cps" or cfg.rollout.noise_level <= 1.0,
             "rollout.noise_level must be in (0, 1] with rollout.sde_type cps (sigma_t = sigma_next * sin(a*pi/2))",

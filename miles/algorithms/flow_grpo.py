@@ -1,13 +1,17 @@
 """Flow-GRPO (Liu et al. 2025): SDE rollouts with per-step log-probs, PPO's clipped ratio.
 
-The rollout records the SDE steps ``sde_steps`` picks (the first ⌈fraction·T⌉ steps, or a
-window drawn per rollout: flow_grpo's Fast/MixGRPO mode) with their log-probabilities under
+The rollout records the SDE steps ``sde_steps`` picks (the first ⌈fraction·T⌉ steps, ⌊fraction·T⌋
+with ``rollout.sde_type: flow_grpo_wan``, or a window drawn per rollout: flow_grpo's Fast/MixGRPO
+mode) with their log-probabilities under
 the sampling policy. An optimizer step recomputes the log-probability of every stored step of
 its micro-batches with the current weights and backpropagates the clipped-ratio loss
 (``miles.grpo.losses``), optionally with β·KL to the reference policy, scaled so that the
 step's gradient is the mean over its samples and SDE steps. ``grpo.step_loss_weight:
-sigma_over_sqrt_dt`` weights each SDE step's policy term by σ_t/√|dt| as flow_grpo's Wan script
-does (default ``none``: every step weighs the same, as in flow_grpo's SD3 script and the paper).
+sigma_over_sqrt_dt`` weights each SDE step's policy term by σ_t/√|dt|, σ_t the chosen SDE's noise
+scale; with ``rollout.sde_type: flow_grpo_wan`` that is exactly flow_grpo's Wan-script weight
+(σ_t = sigmas[1]·σ: 4.5 … 0.5 over 8 steps at shift 3), with ``sde`` it is that weight put on the
+SD3 noise a·√(σ/(1−σ)) (15.4 … 0.8 at a = 0.7), which no flow_grpo script uses. Default ``none``:
+every step weighs the same, as in flow_grpo's SD3 script and the paper.
 ``grpo.train_cfg: false`` trains the conditional branch alone (flow_grpo's ``train.cfg``): the
 recomputed log-probs, and the reference's, use no CFG whatever the rollout used.
 
@@ -28,7 +32,7 @@ from miles.algorithms.base import Algorithm, Policy
 from miles.grpo.losses import grpo_policy_loss
 from miles.rollout.batch import MicroBatch, RolloutBatch
 from miles.rollout.sampler import compute_log_prob, sde_step_indices
-from miles.rollout.sde import sde_std_dev
+from miles.rollout.sde import sde_std_dev, wan_sde_std_dev
 
 _METRICS = ("loss", "policy_loss", "kl", "clipfrac", "approx_kl", "ratio")
 
@@ -50,6 +54,7 @@ class FlowGRPO(Algorithm):
             sde_window_start_range=tuple(r.sde_window_range) if r.sde_window_size else None,
             timestep_fraction=r.timestep_fraction,
             generator=generator,
+            sde_type=r.sde_type,
         )
 
     def forwards_per_sample(self, batch: RolloutBatch) -> int:
@@ -57,13 +62,16 @@ class FlowGRPO(Algorithm):
         return len(batch.sde_steps) * cfg * (2 if self.grpo.kl_beta > 0 else 1)
 
     def _step_weight(self, ro, k: int) -> float:
-        """``grpo.step_loss_weight``: 1, or flow_grpo's Wan weight σ_t/√|dt| of SDE step k, with σ_t
-        the step's noise scale (``sde``: a·√(σ/(1−σ)); ``cps``: σ_next·sin(a·π/2))."""
+        """``grpo.step_loss_weight``: 1, or σ_t/√|dt| of SDE step k, with σ_t the step's noise scale
+        (``flow_grpo_wan``: sigmas[1]·σ, flow_grpo's Wan weight; ``sde``: a·√(σ/(1−σ));
+        ``cps``: σ_next·sin(a·π/2))."""
         if self.grpo.step_loss_weight == "none":
             return 1.0
         sigma, sigma_next, a = ro.sigmas[k].float(), ro.sigma_next[k].float(), self.rollout.noise_level
         if self.rollout.sde_type == "cps":
             sigma_t = sigma_next * math.sin(a * math.pi / 2)
+        elif self.rollout.sde_type == "flow_grpo_wan":
+            sigma_t = wan_sde_std_dev(sigma, ro.schedule[1].float(), ro.schedule[-1].float())
         else:
             sigma_t = sde_std_dev(sigma, sigma_next, a)
         return float(sigma_t / torch.sqrt(sigma - sigma_next))

@@ -9,9 +9,13 @@ For one SDE step of a batch, with A the (already normalised, clipped) advantages
 
 The KL is the exact closed form between the two Gaussian steps N(mean_new, std²) and
 N(mean_ref, std²) of equal std, averaged over latent dims like the log-probs are, with std the
-full step std σ_t·√|dt|: kl = mean_dims(Δμ²) / (2·σ_t²·|dt|). flow_grpo's SD3 training script
-divides by 2·σ_t² instead (σ_t without the √|dt|), so this exact step KL is 1/|dt| times its value:
-a β of b there corresponds to b·|dt| here (with T = 10 steps, |dt| ≈ 0.1). Diagnostics (clipfrac, approx_kl, ratio_mean) are detached.
+full step std σ_t·√|dt|: kl = mean_dims(Δμ²) / (2·σ_t²·|dt|). flow_grpo's Wan script
+(scripts/train_wan2_1.py) computes exactly this, dividing by 2·(σ_t·√|dt|)² with its Wan σ_t.
+Its SD3 training script divides by 2·σ_t² instead (σ_t without the √|dt|), so this exact step KL
+is 1/|dt| times that value: a β of b there corresponds to b·|dt| here (with T = 10 steps,
+|dt| ≈ 0.1). ``policy_weight`` carries a per-step weight of the policy term only, as the Wan
+script's σ_t/√|dt| scales its policy loss and not its KL (``miles.algorithms.flow_grpo``).
+Diagnostics (clipfrac, approx_kl, ratio_mean) are detached.
 
 GRPO-Guard's ratio normalisation (``old_mean`` given; Wang et al. 2025, arXiv 2510.22319): with
 Δ = mean_new − mean_old and s = std, the per-step log-ratio of two Gaussians of equal std is

@@ -15,6 +15,10 @@ recompute equals the rollout's log-prob bit for bit (fp32, CPU).
   is drawn each rollout from ``[lo, hi)`` (flow_grpo's "SDE window"). The last step (to σ = 0)
   is never an SDE step: noise injected there would land in the output with no later step to
   denoise it. All other steps are ODE (Euler) steps and are not recorded.
+- ``sde_type="flow_grpo_wan"`` follows flow_grpo's Wan sampler instead: every step is an SDE step,
+  the last one included (its noise stays in the output, as there), and the recorded (trained)
+  steps are the first ⌊fraction·T⌋, which may include the last (a window is drawn as above,
+  every step still noisy).
 - CFG is batched: one forward over [cond; uncond] (2B samples), then v = v_u + g·(v_c − v_u)
   in fp32. A step uses CFG iff negative embeddings are given and its expert's scale is > 1
   (diffusers' rule, applied per expert).
@@ -39,6 +43,7 @@ must produce identical samples (sequence-parallel peers) seed their generators i
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
@@ -70,15 +75,28 @@ def sde_step_indices(
     sde_window_start_range: tuple[int, int] | None = None,
     timestep_fraction: float = 1.0,
     generator: torch.Generator | None = None,
+    sde_type: str = "sde",
 ) -> list[int]:
-    """Indices of the denoising steps that run the SDE (and are trained on), ascending.
+    """Indices of the denoising steps that are recorded and trained on, ascending.
 
     With ``sde_window_size`` (> 0): ``sde_window_size`` consecutive steps starting at an index
     drawn uniformly from the half-open ``sde_window_start_range`` [lo, hi) (default: every
     start that fits). Otherwise the first ⌈timestep_fraction·num_steps⌉ steps. Either way the
     final step (to σ = 0) is excluded, so at most num_steps − 1 steps are returned and the
     count K does not depend on the draw (every rank runs the same number of training passes).
+    With ``sde_type="flow_grpo_wan"`` and no window: the first ⌊timestep_fraction·num_steps⌋
+    steps, as flow_grpo's Wan script counts them (the last step included at fraction 1).
     """
+    if sde_type == "flow_grpo_wan" and not sde_window_size:
+        if not 0.0 < timestep_fraction <= 1.0:
+            raise ValueError(f"timestep_fraction must be in (0, 1], got {timestep_fraction}")
+        count = math.floor(round(timestep_fraction * num_steps, 9))
+        if count < 1:
+            raise ValueError(
+                f"rollout.sde_type flow_grpo_wan trains floor(timestep_fraction * num_steps) = "
+                f"floor({timestep_fraction} * {num_steps}) = 0 steps: raise rollout.timestep_fraction"
+            )
+        return list(range(count))
     last = num_steps - 1  # steps 0..last-1 may be SDE steps
     if num_steps < 2:
         raise ValueError(f"num_steps must be >= 2 to have an SDE step before the final one, got {num_steps}")
@@ -192,10 +210,20 @@ def predict_velocity(
     return out
 
 
-def _sde_step(sde_type: str):
+def bind_sde_step(sde_type: str, noise_level: float, schedule: Tensor | None):
+    """``rollout.sde_type``'s step with its noise parameters bound: a callable
+    ``(velocity, latents, sigma, sigma_next, prev_sample=None, generator=None) -> SDEStep``.
+
+    ``sde``/``cps`` take ``noise_level``; ``flow_grpo_wan`` takes the (T + 1,) sigma ``schedule``'s
+    sigmas[1] and sigmas[−1] and ignores ``noise_level`` (flow_grpo's Wan noise has no level).
+    """
     if sde_type not in SDE_STEPS:
         raise ValueError(f"rollout.sde_type must be one of {sorted(SDE_STEPS)}, got {sde_type!r}")
-    return SDE_STEPS[sde_type]
+    if sde_type == "flow_grpo_wan":
+        if schedule is None:
+            raise ValueError("rollout.sde_type flow_grpo_wan needs the rollout's sigma schedule")
+        return functools.partial(SDE_STEPS[sde_type], sigma_max=schedule[1], sigma_min=schedule[-1])
+    return functools.partial(SDE_STEPS[sde_type], noise_level=noise_level)
 
 
 @dataclass
@@ -221,6 +249,8 @@ class Rollout:
     means: Tensor | None = None
     """(B, K, C, F', H, W): the sampling policy's SDE mean of each step (``record_means``; GRPO-Guard);
     F' = F − 1 with a first-frame image condition (only the generated frames are stepped)."""
+    schedule: Tensor | None = None
+    """(T + 1,): the whole sigma schedule the rollout ran on (``flow_grpo_wan``'s noise reads it)."""
 
     @property
     def num_sde_steps(self) -> int:
@@ -291,16 +321,19 @@ def sample_with_logprob(
     return run.finish()
 
 
-def _chosen_sde_steps(sde_steps, num_steps: int, noise_level: float, window: tuple, generator) -> list[int]:
+def _chosen_sde_steps(
+    sde_steps, num_steps: int, noise_level: float, window: tuple, generator, sde_type: str
+) -> list[int]:
     """The caller's SDE steps (checked), else a window drawn from ``window`` = (size, start range,
     timestep fraction), else none (the ODE: noise level 0)."""
     if sde_steps is not None:
         steps = sorted(int(i) for i in sde_steps)
-        if steps and (noise_level <= 0 or steps[0] < 0 or steps[-1] >= num_steps - 1):
-            raise ValueError(f"sde_steps {steps} must lie in [0, {num_steps - 1}) with noise_level > 0")
+        end = num_steps if sde_type == "flow_grpo_wan" else num_steps - 1  # flow_grpo_wan: last too
+        if steps and (noise_level <= 0 or steps[0] < 0 or steps[-1] >= end):
+            raise ValueError(f"sde_steps {steps} must lie in [0, {end}) with noise_level > 0")
         return steps
     if noise_level > 0:
-        return sde_step_indices(num_steps, *window, generator)
+        return sde_step_indices(num_steps, *window, generator, sde_type=sde_type)
     return []
 
 
@@ -344,19 +377,20 @@ def begin_sampling(
         sde_steps: the SDE step indices, chosen by the caller (then no window is drawn here). A
             distributed trainer picks them once for all ranks so expert routing matches everywhere.
         expand_timesteps: per-token timesteps (Wan2.2 TI2V).
-        sde_type: ``sde`` (Flow-GRPO's SDE) or ``cps`` (coefficients-preserving sampling).
+        sde_type: ``sde`` (Flow-GRPO's SDE), ``cps`` (coefficients-preserving sampling) or
+            ``flow_grpo_wan`` (flow_grpo's Wan SDE; every step noisy once any step is recorded).
         record_means: also keep each SDE step's mean (``Rollout.means``, for GRPO-Guard's ratio).
         condition: the image condition (image-to-video), one row per sample. A first-frame
             condition keeps the first latent frame clean: the steps and log-probs cover the rest.
         device: where the latents live (default: the prompt embeddings' device).
     """
-    _sde_step(sde_type)
     batch = prompt_embeds.shape[0]
     device = torch.device(device) if device is not None else prompt_embeds.device
     sigmas = flow_sigmas(num_steps, shift).to(device)
+    bind_sde_step(sde_type, noise_level, sigmas)  # checks sde_type
 
     window = (sde_window_size, sde_window_start_range, timestep_fraction)
-    steps = _chosen_sde_steps(sde_steps, num_steps, noise_level, window, generator)
+    steps = _chosen_sde_steps(sde_steps, num_steps, noise_level, window, generator, sde_type)
     if latents is None:
         if same_noise_per_group and group_size is None:
             raise ValueError("same_noise_per_group needs group_size")
@@ -424,7 +458,13 @@ class SamplingRun:
             raise ValueError(
                 f"run_steps({start}, {stop}): the next step is {self.next_step} of {self.num_steps}"
             )
-        sde_step, sde_steps, rec = _sde_step(self.sde_type), set(self.steps), self.records
+        sde_step, recorded, rec = (
+            bind_sde_step(self.sde_type, self.noise_level, self.sigmas),
+            set(self.steps),
+            self.records,
+        )
+        # flow_grpo_wan: every step takes the SDE (the last one too), only ``steps`` are recorded.
+        all_noisy = self.sde_type == "flow_grpo_wan" and bool(recorded)
         condition, sigmas, x = self.condition, self.sigmas, self.x
         device = x.device
         pos = self.prompt_embeds.to(device)  # a no-op when they are there already
@@ -441,20 +481,17 @@ class SamplingRun:
                 self.expand_timesteps,
                 condition,
             )
-            if i in sde_steps:
+            if i in recorded or all_noisy:
                 step = sde_step(
-                    *generated(condition, v, x),
-                    sigmas[i],
-                    sigmas[i + 1],
-                    self.noise_level,
-                    generator=self.generator,
+                    *generated(condition, v, x), sigmas[i], sigmas[i + 1], generator=self.generator
                 )
-                rec["latents"].append(x)
-                x = step.prev_sample if condition is None else condition.full(step.prev_sample)
-                rec["next"].append(x)
-                rec["log_probs"].append(step.log_prob)
-                if self.record_means:
-                    rec["means"].append(step.mean)
+                x_in, x = x, step.prev_sample if condition is None else condition.full(step.prev_sample)
+                if i in recorded:
+                    rec["latents"].append(x_in)
+                    rec["next"].append(x)
+                    rec["log_probs"].append(step.log_prob)
+                    if self.record_means:
+                        rec["means"].append(step.mean)
             else:
                 x = ode_step(v, x, sigmas[i], sigmas[i + 1])
                 x = x if condition is None else condition.clean(x)
@@ -481,6 +518,7 @@ class SamplingRun:
             step_indices=steps,
             final_latents=x,
             means=means,
+            schedule=sigmas,
         )
 
 
@@ -527,7 +565,7 @@ def compute_log_prob(
         condition,
     )
     v, latents, next_latents = generated(condition, v, rollout.latents[:, k], rollout.next_latents[:, k])
-    step = _sde_step(sde_type)(
-        v, latents, rollout.sigmas[k], rollout.sigma_next[k], noise_level, prev_sample=next_latents
+    step = bind_sde_step(sde_type, noise_level, rollout.schedule)(
+        v, latents, rollout.sigmas[k], rollout.sigma_next[k], prev_sample=next_latents
     )
     return step.log_prob, step.mean, step.std

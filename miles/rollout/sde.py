@@ -6,23 +6,37 @@ v = ε − x0 is integrated from σ = 1 (noise) to σ = 0 (data). Flow-GRPO (Liu
 SDE with the same marginals, so every step is a Gaussian policy whose log-density can be
 scored and trained with a clipped-ratio objective:
 
-    σ_t  = a · sqrt(σ / (1 − σ))                      (a = noise level)
     dt   = σ_next − σ                                  (negative: we integrate towards σ = 0)
     mean = x · (1 + σ_t²/(2σ) · dt) + v · (1 + σ_t²(1 − σ)/(2σ)) · dt
     std  = σ_t · sqrt(−dt)
     prev = mean + std · z,   z ~ N(0, I)
 
+The steps differ only in the noise scale σ_t (``rollout.sde_type``):
+
+- ``sde``: σ_t = a · sqrt(σ / (1 − σ)), a = ``rollout.noise_level``. This is the paper's and
+  flow_grpo's SD3/FLUX step (``flow_grpo/diffusers_patch/sd3_sde_with_logprob.py``), not its Wan
+  step: flow_grpo's Wan script never uses this formula.
+- ``flow_grpo_wan``: σ_t = σ_min + (σ_max − σ_min) · σ with σ_max = sigmas[1] and σ_min =
+  sigmas[−1] of the sampling schedule and no noise-level parameter: flow_grpo's Wan step
+  (``sde_step_with_logprob`` of ``flow_grpo/diffusers_patch/wan_pipeline_with_logprob.py``, used by
+  ``scripts/train_wan2_1.py``). Our schedule ends at σ = 0, so σ_t = sigmas[1] · σ. The sampler adds
+  its other two rules (every denoising step noisy, the last one included; the first ⌊fraction·T⌋
+  steps trained: ``miles.rollout.sampler``) and ``grpo.step_loss_weight: sigma_over_sqrt_dt`` its
+  loss weight σ_t/√|dt| (``miles.algorithms.flow_grpo``). Golden values from flow_grpo's own
+  function: tests/unit/test_sde_flow_grpo_wan.py.
+- ``cps``: ``cps_step_with_logprob`` (coefficients-preserving sampling).
+
 All arithmetic is fp32 whatever the model dtype (a bf16 mean overflows and its rounding
 would swamp the tiny ratio changes GRPO clips at ~1e-4).
 
-``cps_step_with_logprob`` is the coefficients-preserving alternative (``rollout.sde_type: cps``).
-
-Departures from flow_grpo's ``sde_step_with_logprob``:
-- It looks σ up from a diffusers scheduler by timestep; here σ and σ_next are passed in (a
-  float or one per sample), so the step does not depend on a scheduler object.
-- At σ = 1 the SDE's σ_t is infinite; flow_grpo replaces the 1 − σ in the denominator with
+Departures from flow_grpo's two ``sde_step_with_logprob`` (SD3 and Wan):
+- They look σ up from a diffusers scheduler by timestep; here σ and σ_next are passed in (a
+  float or one per sample), so the step does not depend on a scheduler object. The schedule is
+  the sampler's (exact endpoints σ_0 = 1, σ_T = 0; ``miles.rollout.sampler``), so σ_max = sigmas[1]
+  is that schedule's, not Wan's UniPC grid's (0.9546 there, 0.9545 here, at 8 steps and shift 3).
+- SD3 step: at σ = 1 its σ_t is infinite; flow_grpo replaces the 1 − σ in the denominator with
   1 − sigmas[1], the schedule's next-largest sigma. Since σ = 1 only at the first step,
-  that value is exactly this step's σ_next, which is what we use.
+  that value is exactly this step's σ_next, which is what we use. (The Wan step needs no guard.)
 - ``std`` is the full per-step standard deviation σ_t·sqrt(−dt) (flow_grpo's ``std_dev_t``
   is σ_t alone); it is what the KL term in ``miles.grpo.losses`` divides by.
 """
@@ -65,9 +79,14 @@ def _per_sample(value: float | Tensor, like: Tensor) -> Tensor:
 
 
 def sde_std_dev(sigma: Tensor, sigma_next: Tensor, noise_level: float) -> Tensor:
-    """σ_t = a·sqrt(σ / (1 − σ)), with flow_grpo's guard at σ = 1 (see the module docstring)."""
+    """``sde``'s σ_t = a·sqrt(σ / (1 − σ)), with flow_grpo's guard at σ = 1 (see the module docstring)."""
     denom_sigma = torch.where(sigma == 1.0, sigma_next, sigma)
     return noise_level * torch.sqrt(sigma / (1.0 - denom_sigma))
+
+
+def wan_sde_std_dev(sigma: Tensor, sigma_max: float | Tensor, sigma_min: float | Tensor) -> Tensor:
+    """``flow_grpo_wan``'s σ_t = σ_min + (σ_max − σ_min)·σ (σ_max, σ_min: the schedule's sigmas[1], sigmas[−1])."""
+    return sigma_min + (sigma_max - sigma_min) * sigma
 
 
 def draw_noise(
@@ -115,9 +134,52 @@ def sde_step_with_logprob(
     latents = latents.float()
     sigma_b = _per_sample(sigma, latents)
     sigma_next_b = _per_sample(sigma_next, latents)
-    dt = sigma_next_b - sigma_b
-
     std_dev_t = sde_std_dev(sigma_b, sigma_next_b, noise_level)
+    return _flow_sde_step(velocity, latents, sigma_b, sigma_next_b, std_dev_t, prev_sample, generator)
+
+
+def flow_grpo_wan_step_with_logprob(
+    velocity: Tensor,
+    latents: Tensor,
+    sigma: float | Tensor,
+    sigma_next: float | Tensor,
+    sigma_max: float | Tensor,
+    sigma_min: float | Tensor,
+    prev_sample: Tensor | None = None,
+    generator: torch.Generator | Sequence[torch.Generator] | None = None,
+) -> SDEStep:
+    """flow_grpo's Wan SDE step (``rollout.sde_type: flow_grpo_wan``): the step of
+    :func:`sde_step_with_logprob` with σ_t = σ_min + (σ_max − σ_min)·σ and no noise level.
+
+    ``sigma_max``/``sigma_min`` are the sampling schedule's sigmas[1] and sigmas[−1] (the sampler
+    passes them); the other arguments are as :func:`sde_step_with_logprob`'s. σ_next may be 0
+    (flow_grpo's Wan sampler takes its last step with noise too).
+    """
+    sigma_max, sigma_min = float(sigma_max), float(sigma_min)
+    if not 0.0 <= sigma_min < sigma_max <= 1.0:
+        raise ValueError(
+            f"flow_grpo_wan needs 0 <= sigma_min < sigma_max <= 1 (the schedule's sigmas[-1] and "
+            f"sigmas[1]), got sigma_min={sigma_min}, sigma_max={sigma_max}"
+        )
+    velocity = velocity.float()
+    latents = latents.float()
+    sigma_b = _per_sample(sigma, latents)
+    sigma_next_b = _per_sample(sigma_next, latents)
+    std_dev_t = wan_sde_std_dev(sigma_b, sigma_max, sigma_min)
+    return _flow_sde_step(velocity, latents, sigma_b, sigma_next_b, std_dev_t, prev_sample, generator)
+
+
+def _flow_sde_step(
+    velocity: Tensor,
+    latents: Tensor,
+    sigma_b: Tensor,
+    sigma_next_b: Tensor,
+    std_dev_t: Tensor,
+    prev_sample: Tensor | None,
+    generator: torch.Generator | Sequence[torch.Generator] | None,
+) -> SDEStep:
+    """The Flow-GRPO SDE step given its noise scale σ_t (fp32, (B, 1, ..., 1) sigmas)."""
+    dt = sigma_next_b - sigma_b
     mean = (
         latents * (1 + std_dev_t**2 / (2 * sigma_b) * dt)
         + velocity * (1 + std_dev_t**2 * (1 - sigma_b) / (2 * sigma_b)) * dt
@@ -175,8 +237,14 @@ def cps_step_with_logprob(
     return SDEStep(prev_sample=prev_sample, log_prob=log_prob, mean=mean, std=std)
 
 
-SDE_STEPS = {"sde": sde_step_with_logprob, "cps": cps_step_with_logprob}
-"""``rollout.sde_type`` -> the stochastic step the rollout samples and training scores with."""
+SDE_STEPS = {
+    "sde": sde_step_with_logprob,
+    "cps": cps_step_with_logprob,
+    "flow_grpo_wan": flow_grpo_wan_step_with_logprob,
+}
+"""``rollout.sde_type`` -> the stochastic step the rollout samples and training scores with. ``sde``
+and ``cps`` take ``noise_level`` after σ_next; ``flow_grpo_wan`` takes ``sigma_max, sigma_min``
+(``miles.rollout.sampler.bind_sde_step`` binds either)."""
 
 
 def ode_step(velocity: Tensor, latents: Tensor, sigma: float | Tensor, sigma_next: float | Tensor) -> Tensor:

@@ -338,6 +338,7 @@ def count_sde_steps(cfg) -> int:
         sde_window_start_range=tuple(r.sde_window_range) if r.sde_window_size else None,
         timestep_fraction=r.timestep_fraction,
         generator=torch.Generator().manual_seed(0),
+        sde_type=r.sde_type,
     )
     return len(steps)
 

@@ -131,9 +131,12 @@ def test_kl_term():
         grpo_policy_loss(logp, logp, adv, 1e-4, beta=0.1)
 
 
-def test_step_loss_weight_is_flow_grpo_wans_sigma_over_sqrt_dt():
-    """``grpo.step_loss_weight: sigma_over_sqrt_dt`` against the formula in float64; the weight
-    scales the policy term's gradient and nothing else."""
+def test_step_loss_weight_sigma_over_sqrt_dt_on_sde_and_cps_noise():
+    """``grpo.step_loss_weight: sigma_over_sqrt_dt`` with ``sde`` (the SD3 noise a·√(σ/(1−σ))) and
+    ``cps`` noise against the formula in float64: the Wan script's form σ_t/√|dt| put on noises
+    no flow_grpo script weights this way (flow_grpo_wan's exact weight, against flow_grpo's own
+    numbers: tests/unit/test_sde_flow_grpo_wan.py). The weight scales the policy term's gradient
+    and nothing else."""
     import math
     from types import SimpleNamespace
 
