@@ -80,6 +80,7 @@ from miles.train.checkpoint import (
     checkpoint_error_reason,
     has_ema,
     has_state,
+    last_good_checkpoint,
     latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
@@ -92,7 +93,7 @@ from miles.train.logging import MetricsLogger, configure_library_progress, print
 from miles.train.old_policy import OldPolicy
 from miles.train.overlap import decode_and_score
 from miles.train.resume import resume_checkpoint
-from miles.train.run_dir import check_run_dir, clear_run_dir
+from miles.train.run_dir import check_run_dir, clear_run_dir, lock_run_dir
 from miles.train.stop import GracefulStop, StopRequested, maybe_inject_signal
 from miles.train.videos import to_uint8
 
@@ -222,6 +223,7 @@ class Trainer:
             print0("[miles] torch.compile per block: the first rollout and train step include compile time")
         self._training_state()
         self.stop = GracefulStop(self.device)  # SIGINT/SIGTERM: save at the next safe point, then exit
+        self.run_lock = lock_run_dir(self.run_dir)  # one launch per run directory, before any write
         self._open_run_dir()
         if self.resume_from is not None:
             self._resume(self.resume_from)
@@ -898,7 +900,7 @@ class Trainer:
             after = self.algorithm.after_rollout(self.policy, self.step)
         except NonFiniteError as e:
             # Nothing of this rollout is saved: the last complete checkpoint stays the good one.
-            last = latest_checkpoint(self.run_dir)
+            last = last_good_checkpoint(self.run_dir)  # verified: a corrupt one is never named good
             raise NonFiniteError(
                 f"{e}. Stopped without saving; the last good checkpoint is {last or 'none (none was saved)'}"
             ) from None
