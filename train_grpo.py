@@ -38,15 +38,15 @@ def main(argv: list[str] | None = None) -> int:
                 "(torchrun --nproc-per-node N train_grpo.py ...)"
             )
     except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
+        print(f"error: {e}", file=sys.stderr)
         return 2
     if opts.dry_run:
         from miles.train.dry_run import dry_run
 
         try:
             dry_run(cfg, world_size=opts.world_size)  # its report lists the config warnings too
-        except ConfigError as e:
-            print(f"dry run: {e}", file=sys.stderr)
+        except (ConfigError, ValueError, FileNotFoundError) as e:
+            print(f"error: {e}", file=sys.stderr)
             return 2
         return 0
     if int(os.environ.get("RANK", "0")) == 0:

@@ -74,12 +74,12 @@ from miles.data.prompts import (
     GroupSampler,
     check_prompt_images,
     load_prompts,
-    truncation_warning,
 )
 from miles.models.wan import (
     DTYPES,
     WanModel,
     check_wan_folder,
+    read_json,
     read_model_index,
     resolve_model_path,
 )
@@ -97,6 +97,8 @@ from miles.parallel.memory_budget import (
 from miles.parallel.memory_budget import cfg_factor as guidance_factor
 from miles.parallel.topology import ParallelDims, valid_ulysses_degrees
 from miles.parallel.topology_checks import check_ulysses_within_node, local_world_size_from_env
+from miles.train.fingerprint import model_fingerprint
+from miles.train.prompt_checks import truncation_warnings
 from miles.train.resume import resume_checkpoint
 from miles.train.run_dir import check_run_dir
 
@@ -132,6 +134,10 @@ def _diffusers_class(index: dict, component: str, default: str) -> type:
 
 def _meta_from_config(cls: type, folder: Path) -> nn.Module:
     """``cls`` built from ``folder/config.json`` on the meta device: exact shapes, no memory."""
+    try:
+        read_json(folder / "config.json")  # a broken file is named, as the real run names it
+    except ValueError as e:
+        raise DryRunError(str(e)) from None
     config = cls.load_config(folder)
     with torch.device("meta"):
         return cls.from_config(config)
@@ -244,6 +250,7 @@ def _check_inputs(
         check_run_dir(run_dir, cfg.train.resume, cfg.train.overwrite)
         if cfg.train.resume:  # the checkpoint it would resume: whole, and saved with this config
             resume_checkpoint(run_dir, cfg)
+        model_fingerprint(model_path)  # as the real run: every JSON parses, no safetensors cut short
         prompts = load_prompts(prompt_file)
         held_out = load_prompts(cfg.eval.prompt_file) if cfg.eval.prompt_file else []
         check_prompt_images(prompts, prompt_file, image_to_video)
@@ -259,9 +266,7 @@ def _check_inputs(
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
-        for texts, source in ((prompts, prompt_file), (held_out, cfg.eval.prompt_file)):
-            if texts and (w := truncation_warning(texts, tokenizer, cfg.data.max_sequence_length, source)):
-                warnings.append(w)
+        warnings += truncation_warnings(cfg, tokenizer, prompts, held_out)  # the real run's warning
     summary = f"{len(prompts)} prompts from {prompt_file}" + (
         f" ({len(held_out)} held out from {cfg.eval.prompt_file})" if held_out else ""
     )

@@ -92,6 +92,7 @@ from miles.train.fingerprint import model_fingerprint
 from miles.train.logging import MetricsLogger, configure_library_progress, print0, show_progress
 from miles.train.old_policy import OldPolicy
 from miles.train.overlap import decode_and_score
+from miles.train.prompt_checks import warn_truncated_prompts
 from miles.train.resume import resume_checkpoint
 from miles.train.run_dir import check_run_dir, clear_run_dir, lock_run_dir
 from miles.train.stop import GracefulStop, StopRequested, maybe_inject_signal
@@ -178,6 +179,9 @@ class Trainer:
         # the layout first, from the model folder's config JSON, identically on every rank.
         self._check_layout()
         self._load_inputs()
+        # Saved with every lean checkpoint (a resume re-reads the frozen weights from this folder); reads
+        # every JSON and safetensors header, naming a broken or truncated file before any weights load.
+        self.model_fingerprint = model_fingerprint(resolve_model_path(cfg.model))
         # The transformers come as meta skeletons: _parallelize shards them, then loads each rank's shards.
         self.model: WanModel = load_wan(cfg.model, self.device, experts="skeleton", seed=cfg.run.seed)
         self.prompt_cache = PromptCache(
@@ -188,8 +192,8 @@ class Trainer:
             offload=cfg.model.text_encoder_offload,
             batch_size=cfg.train.micro_batch_size,
         )
-        # Saved with every (lean) checkpoint: a resume re-reads the frozen weights from this folder.
-        self.model_fingerprint = model_fingerprint(self.model.path)
+        tokenizer = getattr(self.model.pipeline, "tokenizer", None)
+        warn_truncated_prompts(cfg, tokenizer, self.prompts, self.eval_prompts, self.rank)  # as the dry run
         self.mesh = build_parallel_mesh(self.dims, self.device.type)
         self.sampler = GroupSampler(
             num_prompts=len(self.prompts),
