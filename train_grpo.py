@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from miles.train.checkpoint import CheckpointWriteError
     from miles.train.export import ExportWriteError
+    from miles.train.reward_failure import RewardFailed
     from miles.train.trainer import Trainer
 
     trainer = None
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
             report_user_error(e)
             return 2
         trainer.train()  # a SIGINT/SIGTERM ends it early with a checkpoint (miles/train/stop.py)
-    except (CheckpointWriteError, ExportWriteError) as e:  # raised on every rank that writes
+    except (CheckpointWriteError, ExportWriteError, RewardFailed) as e:  # raised on every rank
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {e}", file=sys.stderr)
         return 1

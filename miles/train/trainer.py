@@ -94,6 +94,7 @@ from miles.train.old_policy import OldPolicy
 from miles.train.overlap import decode_and_score
 from miles.train.prompt_checks import warn_truncated_prompts
 from miles.train.resume import resume_checkpoint
+from miles.train.reward_failure import GuardedRewards, reward_failed
 from miles.train.run_dir import check_run_dir, clear_run_dir, lock_run_dir
 from miles.train.stop import GracefulStop, StopRequested, maybe_inject_signal
 from miles.train.videos import to_uint8
@@ -308,6 +309,7 @@ class Trainer:
             + held_out
         )
         self.rewards, self.gold_rewards = build_configured_rewards(cfg.reward, self.device)
+        self.rewards = GuardedRewards(self.rewards)  # a server down after retries: save and stop
         if self.rewards.needs_images and not image_to_video:
             raise ValueError(
                 f"reward.weights {sorted(cfg.reward.weights)}: a reward scores against each sample's given "
@@ -903,6 +905,11 @@ class Trainer:
             step_stats = self.train_on(batch)
             after = self.algorithm.after_rollout(self.policy, self.step)
         except NonFiniteError as e:
+            if (failure := self.rewards.agreed_failure(self.device)) is not None:
+                self.sampler.load_state_dict(sampler_state)  # the resumed run redoes this rollout
+                if self._saved_step != self.step and self.step > 0:
+                    self.save()
+                raise reward_failed(failure, self.step, last_good_checkpoint(self.run_dir)) from None
             # Nothing of this rollout is saved: the last complete checkpoint stays the good one.
             last = last_good_checkpoint(self.run_dir)  # verified: a corrupt one is never named good
             raise NonFiniteError(
