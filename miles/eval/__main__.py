@@ -105,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         cfg, out, checkpoint = _parse(argv)
+        from miles.train.logging import configure_library_progress, show_progress
+
+        configure_library_progress(show_progress(cfg.run.progress))  # no bars into a redirected log
         held_out = load_prompts(cfg.eval.prompt_file)
         prompts = [p.text for p in held_out]
         device = (

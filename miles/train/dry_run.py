@@ -98,6 +98,7 @@ from miles.parallel.memory_budget import cfg_factor as guidance_factor
 from miles.parallel.topology import ParallelDims, valid_ulysses_degrees
 from miles.parallel.topology_checks import check_ulysses_within_node, local_world_size_from_env
 from miles.train.fingerprint import model_fingerprint
+from miles.train.input_checks import collect_errors, join_errors
 from miles.train.prompt_checks import truncation_warnings
 from miles.train.resume import resume_checkpoint
 from miles.train.run_dir import check_run_dir
@@ -246,20 +247,26 @@ def _check_inputs(
     """
     prompt_file = cfg.data.prompt_file or TINY_PROMPTS
     run_dir = Path(cfg.run.output_dir) / cfg.run.name
-    try:
-        check_run_dir(run_dir, cfg.train.resume, cfg.train.overwrite)
-        if cfg.train.resume:  # the checkpoint it would resume: whole, and saved with this config
-            resume_checkpoint(run_dir, cfg)
-        model_fingerprint(model_path)  # as the real run: every JSON parses, no safetensors cut short
-        prompts = load_prompts(prompt_file)
-        held_out = load_prompts(cfg.eval.prompt_file) if cfg.eval.prompt_file else []
-        check_prompt_images(prompts, prompt_file, image_to_video)
-        check_prompt_images(held_out, cfg.eval.prompt_file, image_to_video)
-        GroupSampler(len(prompts), cfg.data.prompts_per_rank, cfg.data.group_size, dp_rank=0, dp_size=dp)
-        _check_rewards(cfg)
-        _check_image_rewards(cfg, image_to_video)
-    except (ValueError, FileNotFoundError) as e:
-        raise DryRunError(str(e)) from None
+    prompts, held_out = [], []
+    errors = collect_errors(  # every one, not the first: one dry run lists all that is missing
+        lambda: check_run_dir(run_dir, cfg.train.resume, cfg.train.overwrite),
+        lambda: cfg.train.resume and resume_checkpoint(run_dir, cfg),  # whole, saved with this config
+        lambda: model_fingerprint(model_path),  # as the real run: every JSON parses, no safetensors cut short
+        lambda: prompts.extend(load_prompts(prompt_file)),
+        lambda: held_out.extend(load_prompts(cfg.eval.prompt_file) if cfg.eval.prompt_file else []),
+        lambda: prompts and check_prompt_images(prompts, prompt_file, image_to_video),
+        lambda: held_out and check_prompt_images(held_out, cfg.eval.prompt_file, image_to_video),
+        lambda: (
+            prompts
+            and GroupSampler(
+                len(prompts), cfg.data.prompts_per_rank, cfg.data.group_size, dp_rank=0, dp_size=dp
+            )
+        ),
+        lambda: _check_rewards(cfg),
+        lambda: _check_image_rewards(cfg, image_to_video),
+    )
+    if errors:
+        raise DryRunError(join_errors(errors))
     warnings = config_warnings(cfg)
     tokenizer_dir = model_path / "tokenizer"
     if tokenizer_dir.is_dir():

@@ -1,0 +1,32 @@
+"""Run every input check and report every refusal at once (the dry run), instead of one per launch.
+
+    errors = collect_errors(lambda: load_prompts(path), lambda: check_run_dir(...))
+    if errors:
+        raise ValueError(join_errors(errors))
+
+One refusal reads exactly as the real run's (which stops at its first); several are listed, one a line.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+
+def collect_errors(*checks: Callable[[], object]) -> list[str]:
+    """The messages of the checks that raise ``ValueError`` or ``FileNotFoundError``, in order."""
+    errors = []
+    for check in checks:
+        try:
+            check()
+        except (ValueError, FileNotFoundError) as e:
+            errors.append(str(e))
+    return errors
+
+
+def join_errors(errors: list[str]) -> str:
+    """One message: the error itself, or ``N inputs the run would refuse:`` and one line each."""
+    if len(errors) == 1:
+        return errors[0]
+    return f"{len(errors)} inputs the run would refuse (fix them all before launching):\n" + "\n".join(
+        f"  - {e}" for e in errors
+    )
