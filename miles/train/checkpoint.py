@@ -125,7 +125,7 @@ def _write_failed(root: Path, partial: Path, final: Path, error: BaseException |
     raise CheckpointWriteError(
         f"could not write the checkpoint {final} ({reason}). Free space on that disk, or set "
         f"--run.output-dir to a writable folder with room (a checkpoint holds the weights and the AdamW "
-        f"state); the last complete checkpoint is {latest or 'none'}"
+        f"state); the last good checkpoint is {latest or 'none'}"
     )
 
 

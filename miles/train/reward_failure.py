@@ -39,6 +39,8 @@ class GuardedRewards:
         self.error: str | None = None
 
     def __getattr__(self, name: str):
+        if name == "inner":  # not set yet (copy, unpickling): no recursion
+            raise AttributeError(name)
         return getattr(self.inner, name)
 
     def __call__(self, videos, *args):

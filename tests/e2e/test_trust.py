@@ -1,5 +1,8 @@
 """Trust through the real launcher (torchrun, one process, the tiny recipe cut to its smallest):
 
+0. The first launch warns that prompts exceed ``data.max_sequence_length`` (as the dry run does) and
+   ends with the one-line result.
+
 1. A launch saves ``step_000001`` and ``step_000002``; 16 bytes of ``step_000002``'s shard are then
    changed in place (same length: the old size check passes it). The relaunch names the file, says it
    tries the previous one and resumes from ``step_000001`` — it never trains on the changed bytes.
@@ -28,6 +31,7 @@ SMALL = [
     "--data.prompts-per-rank", "1", "--data.group-size", "2", "--train.micro-batch-size", "2",
     "--train.steps-per-rollout", "1", "--rollout.num-steps", "2", "--train.checkpoint-every", "1",
     "--train.no-export", "--run.wandb-mode", "disabled", "--run.no-progress", "--model.tiny-variant", "single_expert",
+    "--data.max-sequence-length", "8",
 ]  # fmt: skip
 
 
@@ -50,6 +54,14 @@ def test_changed_bytes_fall_back_and_a_second_launch_is_refused(tmp_path):
         timeout=400,
     )
     assert first.returncode == 0, first.stdout + first.stderr
+    log = first.stdout + first.stderr
+    # Prompts longer than max_sequence_length are warned about by the real run, as by the dry run.
+    assert "prompts in " in log and "are longer than data.max_sequence_length = 8 text tokens" in log, log
+    # The last line states the result.
+    run_dir = tmp_path / "trust"
+    closing = f"[miles] finished {run_dir}: 2 rollouts, 2 steps; reward mean "
+    assert first.stdout.strip().splitlines()[-1].startswith(closing), first.stdout
+    assert f"checkpoint {run_dir / 'checkpoints' / 'step_000002'}" in log
     ckpts = tmp_path / "trust" / "checkpoints"
     shard = ckpts / "step_000002" / "__0_0.distcp"
     data = bytearray(shard.read_bytes())
