@@ -1,10 +1,11 @@
-"""Run every input check and report every refusal at once (the dry run), instead of one per launch.
+"""Run every input check and report every refusal at once, instead of one per launch (the run plan,
+:mod:`miles.train.plan`, that the dry run prints and the real run runs).
 
     errors = collect_errors(lambda: load_prompts(path), lambda: check_run_dir(...))
     if errors:
         raise ValueError(join_errors(errors))
 
-One refusal reads exactly as the real run's (which stops at its first); several are listed, one a line.
+One refusal is its own message; several are listed, one a line.
 """
 
 from __future__ import annotations
