@@ -38,15 +38,18 @@ def main(argv: list[str] | None = None) -> int:
                 "(torchrun --nproc-per-node N train_grpo.py ...)"
             )
     except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
+        print(f"error: {e}", file=sys.stderr)
         return 2
     if opts.dry_run:
         from miles.train.dry_run import dry_run
+        from miles.train.logging import configure_library_progress, show_progress
+
+        configure_library_progress(show_progress(cfg.run.progress))  # no bars into a redirected log
 
         try:
             dry_run(cfg, world_size=opts.world_size)  # its report lists the config warnings too
-        except ConfigError as e:
-            print(f"dry run: {e}", file=sys.stderr)
+        except (ConfigError, ValueError, FileNotFoundError) as e:
+            print(f"error: {e}", file=sys.stderr)
             return 2
         return 0
     if int(os.environ.get("RANK", "0")) == 0:
@@ -55,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from miles.train.checkpoint import CheckpointWriteError
     from miles.train.export import ExportWriteError
+    from miles.train.outcome import finished_note, result_line
+    from miles.train.reward_failure import RewardFailed
     from miles.train.trainer import Trainer
 
     trainer = None
@@ -65,8 +70,18 @@ def main(argv: list[str] | None = None) -> int:
             # Bad input found before any rollout: the message names the fix.
             report_user_error(e)
             return 2
+        rank0 = int(os.environ.get("RANK", "0")) == 0
+        cfg_t, run_dir = cfg.train, trainer.run_dir
+        if note := finished_note(
+            run_dir, cfg_t.num_rollouts, cfg_t.export, trainer.rollout_index, trainer.step
+        ):
+            if rank0:  # a finished run: no second evaluation, no duplicate rows
+                print(note, flush=True)
+            return 0
         trainer.train()  # a SIGINT/SIGTERM ends it early with a checkpoint (miles/train/stop.py)
-    except (CheckpointWriteError, ExportWriteError) as e:  # raised on every rank that writes
+        if rank0 and not trainer.stop.agreed:
+            print(result_line(run_dir, trainer.rollout_index, trainer.step), flush=True)
+    except (CheckpointWriteError, ExportWriteError, RewardFailed) as e:  # raised on every rank
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {e}", file=sys.stderr)
         return 1

@@ -12,6 +12,7 @@ Every field's docstring is its ``--help`` text. The parallel flags keep the seed
 from __future__ import annotations
 
 import argparse
+import contextvars
 import dataclasses
 import math
 import types
@@ -492,26 +493,176 @@ class Config:
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
 
     def __post_init__(self) -> None:
-        validate(self)
+        if not _DEFER_VALIDATION.get():
+            validate(self)
+
+
+# Set while tyro builds a Config from the command line: tyro would print a validation error in its
+# own box and exit; parse_args validates afterwards instead, so every refusal reads alike.
+_DEFER_VALIDATION: contextvars.ContextVar[bool] = contextvars.ContextVar("defer_validation", default=False)
 
 
 class ConfigError(ValueError):
     """A recipe file or flag that cannot be used, with the key it concerns."""
 
 
+# Every numeric field's range: dotted key -> (rule, why). Rules: "any", "> x", ">= x", or an interval
+# "[a, b)" / "(a, b]" / "[a, b]" / "(a, b)". Every number must also be finite (NaN and inf are
+# refused everywhere). A list's items and a mapping's values each follow their field's rule; None
+# (an optional field left unset) is not checked. tests/unit/test_config_ranges.py fails when a numeric
+# field has no row, so a new field cannot skip its check.
+RANGES: dict[str, tuple[str, str]] = {
+    "run.seed": (">= 0", ""),
+    "run.log_video_every": (">= 0", "0 turns it off"),
+    "run.collective_timeout_s": ("> 0", "seconds a collective may take before the job ends"),
+    "model.activation_memory_budget_gib": ("> 0", ""),
+    "model.lora_rank": (">= 0", "0: full fine-tune"),
+    "model.lora_alpha": ("> 0", "the LoRA scale is alpha / rank"),
+    "parallel.sequence_parallel_size": (">= 1", "1 turns SP off"),
+    "parallel.ulysses_degree": (">= 0", "0 picks it automatically"),
+    "parallel.replicate_size": (">= 1", "1: plain FSDP, no HSDP"),
+    "data.prompts_per_rank": (">= 1", ""),
+    "data.group_size": (">= 2", "GRPO normalises within a group"),
+    "data.max_sequence_length": (">= 1", "text tokens fed to the text encoder; Wan uses 512"),
+    "rollout.num_frames": (">= 1", "4k+1 frames: 1, 5, 9, ... 81"),
+    "rollout.height": ("> 0", "pixels, a multiple of 16"),
+    "rollout.width": ("> 0", "pixels, a multiple of 16"),
+    "rollout.num_steps": (">= 2", ""),
+    "rollout.shift": ("> 0", "Wan uses 3.0 at 480p, 5.0 at 720p"),
+    "rollout.guidance_scale": (">= 0", "<= 1 turns CFG off"),
+    "rollout.guidance_scale_2": (">= 0", "<= 1 turns CFG off"),
+    "rollout.noise_level": (">= 0", ""),
+    "rollout.timestep_fraction": ("(0, 1]", ""),
+    "rollout.sde_window_size": (">= 0", "0: no window"),
+    "rollout.sde_window_range": (">= 0", "[lo, hi) of denoising step indices"),
+    "reward.weights": ("any", ""),
+    "reward.num_frames": (">= 1", "frames sampled from each video for frame-level rewards"),
+    "reward.videoalign_num_frames": (">= 1", ""),
+    "reward.videoalign_max_pixels": (">= 1", ""),
+    "reward.remote_rewards": ("any", ""),
+    "reward.remote_timeout_s": ("> 0", ""),
+    "reward.remote_retries": (">= 0", ""),
+    "reward.remote_backoff_s": (">= 0", ""),
+    "reward.remote_batch_size": (">= 1", ""),
+    "reward.remote_num_frames": (">= 1", ""),
+    "reward.vlm_num_frames": (">= 1", ""),
+    "reward.vlm_score_range": ("any", ""),
+    "reward.vlm_timeout_s": ("> 0", ""),
+    "reward.vlm_retries": (">= 0", ""),
+    "reward.vlm_backoff_s": (">= 0", ""),
+    "reward.vlm_concurrency": (">= 1", ""),
+    "reward.vlm_max_tokens": (">= 1", ""),
+    "grpo.clip_range": ("> 0", "Flow-GRPO uses 1e-4"),
+    "grpo.adv_clip_max": ("> 0", ""),
+    "grpo.kl_beta": (">= 0", "0 turns the KL term off"),
+    "nft.beta": ("> 0", "the reference uses 1.0"),
+    "nft.timestep_fraction": ("(0, 1]", ""),
+    "nft.old_decay_rate": (">= 0", ""),
+    "nft.old_decay_max": ("[0, 1)", ""),
+    "nft.old_decay_flat": (">= 0", ""),
+    "nft.kl_beta": (">= 0", "0 turns the KL term off"),
+    "eval.every": (">= 0", "0: only at the start and the end"),
+    "eval.num_seeds": (">= 1", ""),
+    "eval.num_steps": (">= 1", ""),
+    "train.num_rollouts": (">= 1", ""),
+    "train.steps_per_rollout": (">= 1", ""),
+    "train.micro_batch_size": (">= 1", ""),
+    "train.learning_rate": (">= 0", "AdamW's step size"),
+    "train.weight_decay": (">= 0", "AdamW's decoupled weight decay"),
+    "train.adam_betas": ("[0, 1)", "AdamW's moment decays"),
+    "train.adam_eps": ("> 0", ""),
+    "train.max_grad_norm": ("> 0", ""),
+    "train.checkpoint_every": (">= 0", "0: only at the end"),
+    "train.keep_checkpoints": (">= 1", "the last K complete checkpoints are kept"),
+    "train.ema_decay": ("[0, 1)", "0 turns the EMA off"),
+}
+
+
+def _satisfies(value: float, rule: str) -> bool:
+    if rule == "any":
+        return True
+    if rule[0] in "[(":
+        lo, hi = (float(x) for x in rule[1:-1].split(","))
+        above = value >= lo if rule[0] == "[" else value > lo
+        below = value <= hi if rule[-1] == "]" else value < hi
+        return above and below
+    op, bound = rule.split()
+    return value >= float(bound) if op == ">=" else value > float(bound)
+
+
+def numeric_fields(node: Any, prefix: str = "") -> list[tuple[str, str, Any]]:
+    """(dotted key, the key as the message names it, value) of every number in the config ``node``:
+    fields, list items (``key[i]``) and mapping values (``key.NAME``)."""
+    found = []
+    for f in dataclasses.fields(node):
+        key, value = f"{prefix}{f.name}", getattr(node, f.name)
+        if dataclasses.is_dataclass(value):
+            found += numeric_fields(value, f"{key}.")
+        elif isinstance(value, (list, tuple)):
+            found += [(key, f"{key}[{i}]", v) for i, v in enumerate(value) if _is_number(v)]
+        elif isinstance(value, dict):
+            found += [(key, f"{key}.{k}", v) for k, v in value.items() if _is_number(v)]
+        elif _is_number(value):
+            found.append((key, key, value))
+    return found
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_ranges(cfg: Config) -> None:
+    """Every number finite and within its field's :data:`RANGES` rule (``ConfigError`` naming it)."""
+    for key, name, value in numeric_fields(cfg):
+        if not math.isfinite(value):
+            raise ConfigError(f"{name} must be a finite number, got {value}")
+        rule, why = RANGES.get(key, ("any", ""))
+        if not _satisfies(value, rule):
+            shown = rule if rule[0] in "<>a" else f"in {rule}"
+            raise ConfigError(f"{name} must be {shown}" + (f" ({why})" if why else "") + f", got {value!r}")
+
+
+def check_run_name(run: RunConfig) -> None:
+    """``run.name`` must keep the run directory inside ``run.output_dir``."""
+    parts = Path(run.name).parts
+    if not run.name.strip() or Path(run.name).is_absolute() or ".." in parts or "\0" in run.name or not parts:
+        raise ConfigError(
+            f"run.name {run.name!r} would put the run directory outside run.output_dir {run.output_dir!r} "
+            "(or nowhere): use a plain folder name such as my_run (subfolders a/b are fine; no '..', no "
+            "absolute path); set the parent folder with --run.output-dir"
+        )
+
+
+def check_reward_signal(reward: RewardConfig) -> None:
+    """A reward set whose weights are all 0 trains on a constant reward: no advantage, no gradient."""
+    weights = list(reward.weights.values())
+    if "remote" in reward.weights and reward.remote_rewards:
+        weights = [w * reward.weights["remote"] for w in reward.remote_rewards.values()] + [
+            w for n, w in reward.weights.items() if n != "remote"
+        ]
+    if weights and not any(weights):
+        raise ConfigError(
+            f"every reward weight is 0 (reward.weights {dict(reward.weights)}): the trained reward would be 0 "
+            "for every sample, so no advantage and no gradient. Give the reward to train on a non-zero "
+            "weight (--reward.weights.NAME 1.0); a weight of 0 only logs a reward beside a trained one"
+        )
+
+
 def validate(cfg: Config) -> None:
     """Checks that do not need the world size or the model (those run at startup)."""
+    check_ranges(cfg)
+    check_run_name(cfg.run)
     checks = [
-        (cfg.data.group_size >= 2, "data.group_size must be >= 2 (GRPO normalises within a group)"),
-        (cfg.data.prompts_per_rank >= 1, "data.prompts_per_rank must be >= 1"),
-        (cfg.rollout.num_steps >= 2, "rollout.num_steps must be >= 2"),
         ((cfg.rollout.num_frames - 1) % 4 == 0, "rollout.num_frames must be 4k+1 (1, 5, 9, ... 81)"),
         (
             cfg.rollout.height % 16 == 0 and cfg.rollout.width % 16 == 0,
             "rollout.height/width must be multiples of 16",
         ),
-        (0.0 < cfg.rollout.timestep_fraction <= 1.0, "rollout.timestep_fraction must be in (0, 1]"),
-        (cfg.rollout.noise_level >= 0.0, "rollout.noise_level must be >= 0"),
+        (
+            cfg.rollout.noise_level > 0 or cfg.algorithm.name == "diffusion_nft",
+            f"rollout.noise_level must be > 0 with algorithm.name {cfg.algorithm.name} (its SDE steps' "
+            f"log-probabilities divide by the noise), got {cfg.rollout.noise_level!r}",
+        ),
         (
             cfg.rollout.sde_type != "flow_grpo_wan"
             or cfg.rollout.sde_window_size > 0
@@ -525,30 +676,11 @@ def validate(cfg: Config) -> None:
             "rollout.noise_level must be in (0, 1] with rollout.sde_type cps (sigma_t = sigma_next * sin(a*pi/2))",
         ),
         (len(cfg.rollout.sde_window_range) == 2, "rollout.sde_window_range must be [lo, hi]"),
-        (cfg.train.num_rollouts >= 1, "train.num_rollouts must be >= 1"),
-        (cfg.eval.every >= 0, "eval.every must be >= 0 (0: only at the start and the end)"),
-        (cfg.eval.num_seeds >= 1, "eval.num_seeds must be >= 1"),
-        (cfg.eval.num_steps is None or cfg.eval.num_steps >= 1, "eval.num_steps must be >= 1"),
-        (cfg.train.steps_per_rollout >= 1, "train.steps_per_rollout must be >= 1"),
-        (cfg.train.micro_batch_size >= 1, "train.micro_batch_size must be >= 1"),
-        (0.0 <= cfg.train.ema_decay < 1.0, "train.ema_decay must be in [0, 1) (0 turns the EMA off)"),
         (
             not (cfg.train.overwrite and cfg.train.resume),
             "--train.overwrite deletes the previous run: it needs --train.no-resume",
         ),
         (len(cfg.train.adam_betas) == 2, "train.adam_betas must have two values"),
-        (cfg.model.lora_rank >= 0, "model.lora_rank must be >= 0"),
-        (cfg.grpo.clip_range > 0, "grpo.clip_range must be > 0 (Flow-GRPO uses 1e-4)"),
-        (cfg.grpo.kl_beta >= 0, "grpo.kl_beta must be >= 0 (0 turns the KL term off)"),
-        (cfg.grpo.adv_clip_max > 0, "grpo.adv_clip_max must be > 0"),
-        (cfg.train.learning_rate >= 0, "train.learning_rate must be >= 0 (AdamW's step size)"),
-        (cfg.train.max_grad_norm > 0, "train.max_grad_norm must be > 0"),
-        (cfg.nft.beta > 0, "nft.beta must be > 0 (the reference uses 1.0)"),
-        (0.0 < cfg.nft.timestep_fraction <= 1.0, "nft.timestep_fraction must be in (0, 1]"),
-        (cfg.nft.old_decay_rate >= 0, "nft.old_decay_rate must be >= 0"),
-        (0.0 <= cfg.nft.old_decay_max < 1.0, "nft.old_decay_max must be in [0, 1)"),
-        (cfg.nft.old_decay_flat >= 0, "nft.old_decay_flat must be >= 0"),
-        (cfg.nft.kl_beta >= 0, "nft.kl_beta must be >= 0 (0 turns the KL term off)"),
         (
             cfg.algorithm.name != "grpo_guard" or cfg.rollout.sde_type == "sde",
             "algorithm.name grpo_guard normalises the ratio of Flow-GRPO's SDE: set rollout.sde_type sde",
@@ -557,14 +689,17 @@ def validate(cfg: Config) -> None:
             cfg.algorithm.name != "grpo_guard" or cfg.grpo.step_loss_weight == "none",
             "algorithm.name grpo_guard weights every SDE step by 1/|dt| itself: set grpo.step_loss_weight none",
         ),
-        (cfg.parallel.sequence_parallel_size >= 1, "--sequence-parallel-size must be >= 1"),
-        (cfg.parallel.ulysses_degree >= 0, "--ulysses-degree must be >= 0 (0 picks it automatically)"),
-        (cfg.parallel.replicate_size >= 1, "--parallel.replicate-size must be >= 1 (1: plain FSDP, no HSDP)"),
         (bool(cfg.reward.weights), "reward.weights must name at least one reward"),
+        (
+            len(cfg.reward.vlm_score_range) == 2
+            and cfg.reward.vlm_score_range[0] < cfg.reward.vlm_score_range[1],
+            f"reward.vlm_score_range must be [lo, hi] with lo < hi, got {cfg.reward.vlm_score_range}",
+        ),
     ]
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
+    check_reward_signal(cfg.reward)
     samples = cfg.data.prompts_per_rank * cfg.data.group_size
     per_step = samples // cfg.train.steps_per_rollout
     if samples % cfg.train.steps_per_rollout or per_step % cfg.train.micro_batch_size:
@@ -573,9 +708,6 @@ def validate(cfg: Config) -> None:
             f"train.steps_per_rollout = {cfg.train.steps_per_rollout} optimizer steps of whole "
             f"micro-batches of train.micro_batch_size = {cfg.train.micro_batch_size}"
         )
-    for name, weight in cfg.reward.weights.items():
-        if not math.isfinite(weight):
-            raise ConfigError(f"reward.weights.{name} must be a finite number, got {weight}")
     from miles.rewards.shaping import check_gold, check_normalize  # light: torch only
 
     try:
@@ -700,19 +832,47 @@ def _yaml_error(path: Path, e: yaml.YAMLError) -> str:
     return f"{where}: not valid YAML ({what})"
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                mark = key_node.start_mark
+                raise ConfigError(
+                    f"{mark.name}:{mark.line + 1}:{mark.column + 1}: the key {key!r} is given twice in one "
+                    f"section (first on line {seen[key] + 1}); YAML would silently keep the last: keep one"
+                )
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_config_file(path: str | Path) -> Config:
-    """Load a YAML recipe strictly into a :class:`Config`."""
+    """Load a YAML recipe strictly into a :class:`Config`: no key twice, not empty."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        text = path.read_text(encoding="utf-8")
+        loader = _UniqueKeyLoader(text)
+        loader.name = str(path)
+        try:
+            data = loader.get_single_data()
+        finally:
+            loader.dispose()
     except UnicodeDecodeError as e:
         raise ConfigError(
             f"{path}: not UTF-8 text (byte offset {e.start}); save the recipe as UTF-8"
         ) from None
     except yaml.YAMLError as e:
         raise ConfigError(_yaml_error(path, e)) from None
+    if not data:
+        raise ConfigError(
+            f"{path}: the recipe is empty: it would run the built-in tiny defaults. Give its sections "
+            "(see configs/tiny_cpu.yaml), or drop --config to run the defaults on purpose"
+        )
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
     try:
@@ -805,9 +965,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
         reward = dataclasses.replace(default.reward, weights={**default.reward.weights, **weights})
         default = dataclasses.replace(default, reward=reward)
     registry = _cli_registry(registered_rewards())
+    token = _DEFER_VALIDATION.set(True)
     try:
         cfg = tyro.cli(Config, default=default, args=rest, description=_LAUNCHER_HELP, registry=registry)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    finally:
+        _DEFER_VALIDATION.reset(token)
+    validate(cfg)
     check_reward_names(cfg)
     return cfg, opts

@@ -9,7 +9,8 @@
 The recipe gives the rollout settings (frames, size, steps, shift, CFG), the rewards and the eval
 section (prompts, seeds, sampler); any field can be overridden as for ``train_grpo.py``. With
 ``--checkpoint`` the base model and LoRA settings come from the checkpoint's own config and its
-trained weights are loaded on top (no process group or trainer needed). Writes
+trained weights are loaded on top (no process group or trainer needed), after every file of the
+checkpoint was checked against the sha256 saved with it (a changed file is named, exit 2). Writes
 ``OUT/eval.json`` (summary and every sample's scores) and ``OUT/eval.mp4`` (the grid; GIF without an mp4 encoder) and prints
 the summary. Sampling is the trainer's evaluation exactly (``miles.eval.evaluate``).
 """
@@ -73,7 +74,13 @@ def _parse(argv: list[str] | None) -> tuple[Config, Path, Path | None]:
     pre.add_argument("--checkpoint", type=Path, default=None)
     opts, rest = pre.parse_known_args(argv)
     cfg, _ = parse_args(rest)
+    from miles.train.run_dir import check_writable
+
+    check_writable(opts.out, what="--out")  # found now, not after the sampling
     if opts.checkpoint is not None:
+        from miles.train.checkpoint import verify_checkpoint
+
+        verify_checkpoint(opts.checkpoint)  # whole, and every file's sha256 as saved
         saved = json.loads((opts.checkpoint / "trainer.json").read_text())["config"]["model"]
         cfg.model = ModelConfig(**saved)
     if not cfg.eval.prompt_file:
@@ -90,6 +97,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         cfg, out, checkpoint = _parse(argv)
+        from miles.train.logging import configure_library_progress, show_progress
+
+        configure_library_progress(show_progress(cfg.run.progress))  # no bars into a redirected log
         held_out = load_prompts(cfg.eval.prompt_file)
         prompts = [p.text for p in held_out]
         device = (

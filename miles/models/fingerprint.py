@@ -10,7 +10,9 @@ with the checkpoint lets a resume refuse another base model before any weights l
 Per component folder (and ``model_index.json``), sha256 over: its config JSON files (parsed, without
 the ``_``-prefixed bookkeeping keys such as ``_diffusers_version``), every file's name and size, and
 the sha256 of each safetensors header (the JSON with every tensor's name, dtype, shape and offsets).
-No weight bytes are read: a folder of tens of GB is fingerprinted in milliseconds. Two folders with
+No weight bytes are read: a folder of tens of GB is fingerprinted in milliseconds. On the way every
+JSON file must parse and every safetensors file must be as long as its header says, so a truncated
+weight file or a broken ``config.json`` is refused naming the file, before any weights load. Two folders with
 the same headers and sizes but different weight values (a re-trained base) are not told apart;
 the names, shapes and sizes of every file are.
 """
@@ -25,21 +27,44 @@ from pathlib import Path
 _SKIP = {".git", ".cache", "__pycache__"}
 
 
+_FIX = "re-download or re-convert the model folder (or restore the file from a good copy)"
+
+
 def safetensors_header(path: Path) -> bytes:
-    """The JSON header of a safetensors file (8-byte little-endian length, then the JSON)."""
+    """The JSON header of a safetensors file (8-byte little-endian length, then the JSON), checked:
+    a ``ValueError`` names the file when it is cut short or its header is not a safetensors header."""
+    total = path.stat().st_size
     with open(path, "rb") as f:
         head = f.read(8)
         if len(head) < 8:
-            raise ValueError(f"{path} is not a safetensors file (shorter than its 8-byte header length)")
+            raise ValueError(
+                f"{path} is not a safetensors file (shorter than its 8-byte header length); {_FIX}"
+            )
         (size,) = struct.unpack("<Q", head)
-        return f.read(size)
+        if size > total - 8:
+            raise ValueError(
+                f"{path} is truncated or not a safetensors file ({total} bytes; its header alone claims "
+                f"{size}); {_FIX}"
+            )
+        header = f.read(size)
+    try:
+        entries = json.loads(header)
+        end = max((e["data_offsets"][1] for k, e in entries.items() if k != "__metadata__"), default=0)
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
+        raise ValueError(f"{path} has a malformed safetensors header ({e}); {_FIX}") from None
+    if 8 + size + end > total:
+        raise ValueError(
+            f"{path} is truncated ({total} bytes; its header needs {8 + size + end}): it was cut short "
+            f"(an interrupted download or copy, a full disk); {_FIX}"
+        )
+    return header
 
 
 def _config_bytes(path: Path) -> bytes:
     try:
         data = json.loads(path.read_text())
-    except ValueError:
-        return path.read_bytes()
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); {_FIX}") from None
     if isinstance(data, dict):
         data = {k: v for k, v in data.items() if not k.startswith("_")}
     return json.dumps(data, sort_keys=True).encode()

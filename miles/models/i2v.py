@@ -20,7 +20,12 @@ TASKS = ("auto", "t2v", "i2v")
 
 def _transformer_config(path: Path) -> dict:
     config = path / "transformer" / "config.json"
-    return json.loads(config.read_text()) if config.is_file() else {}
+    try:
+        return json.loads(config.read_text()) if config.is_file() else {}
+    except (ValueError, UnicodeDecodeError) as e:  # the same message as miles.models.wan.read_json
+        raise ValueError(
+            f"{config} is not valid JSON ({e}); restore it from the model's original files"
+        ) from None
 
 
 def condition_mode(path: Path, index: dict, task: str = "auto") -> str | None:

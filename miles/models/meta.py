@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from miles.models.i2v import check_i2v_run, condition_mode
-from miles.models.wan import WanModel, check_wan_folder, read_model_index, resolve_model_path
+from miles.models.wan import WanModel, check_wan_folder, read_json, read_model_index, resolve_model_path
 
 __all__ = ["load_meta_model"]
 
@@ -27,7 +27,9 @@ def _diffusers_class(index: dict, component: str, default: str) -> type:
 
 
 def _meta_from_config(cls: type, folder: Path) -> nn.Module:
-    """``cls`` built from ``folder/config.json`` on the meta device: exact shapes, no memory."""
+    """``cls`` built from ``folder/config.json`` on the meta device: exact shapes, no memory. A broken
+    file is named (``ValueError``), as loading the weights names it."""
+    read_json(folder / "config.json")
     config = cls.load_config(folder)
     with torch.device("meta"):
         return cls.from_config(config)

@@ -137,7 +137,7 @@ def read_model_index(path: Path) -> dict:
             f"model.path {path} has no model_index.json: it is not a diffusers folder. Download e.g. "
             "Wan-AI/Wan2.1-T2V-1.3B-Diffusers (the -Diffusers repos) and point model.path at it"
         )
-    info = json.loads(index.read_text())
+    info = read_json(index)
     if info.get("_class_name") not in _WAN_PIPELINES:
         raise ValueError(
             f"model.path {path} holds a {info.get('_class_name')}, not a Wan pipeline ({sorted(_WAN_PIPELINES)})"
@@ -161,7 +161,20 @@ def transformer_config(path: Path) -> dict:
         raise ValueError(
             f"model.path {path} lacks transformer/config.json: it is not a complete diffusers Wan folder"
         )
-    return json.loads(file.read_text())
+    return read_json(file)
+
+
+def read_json(file: Path) -> dict:
+    """A model folder's JSON file; a ``ValueError`` naming the file when it does not parse."""
+    try:
+        data = json.loads(file.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(
+            f"{file} is not valid JSON ({e}); restore it from the model's original files"
+        ) from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{file} holds a {type(data).__name__}, not a JSON object; restore it")
+    return data
 
 
 def load_wan(cfg, device: torch.device, experts: str = "load", seed: int = 0) -> WanModel:

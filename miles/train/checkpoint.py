@@ -6,11 +6,17 @@ Layout under the run directory::
       step_000004/            a complete checkpoint (it has a COMPLETE marker)
         .metadata, __*_*.distcp   DCP shards: every rank writes its own part
         trainer.json           counters, data position, config, model fingerprint (rank 0)
+        SHA256SUMS             the sha256 of every file above (``sha256sum -c SHA256SUMS`` checks it)
         COMPLETE
       step_000006.partial/    being written, or left by a crash: never loaded, removed on save
 
 A checkpoint is written into ``step_N.partial`` and renamed to ``step_N`` by rank 0 after every
 rank has finished writing, so a crash mid-save leaves no directory that looks complete.
+Before the marker, ``SHA256SUMS`` records the sha256 of every shard (each rank hashes the files it
+wrote, while they are still in the page cache), of ``.metadata`` and of ``trainer.json``; a resume
+and ``python -m miles.eval --checkpoint`` recompute them (:func:`digest_problem`), so bytes changed
+after the save (a flaky disk, a bad copy, an edit) are found before a weight is loaded, and the file
+is named. A checkpoint saved before digests existed has no ``SHA256SUMS`` and is loaded unchecked.
 DCP stores each tensor with its global shape, so a checkpoint loads into any dp x sp layout and
 any world size (FSDP re-shards on load). The rollout noise and SDE windows are derived from the
 seed and the rollout index, so counters + data position are the whole RNG state.
@@ -26,6 +32,7 @@ loads (they are left unread).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -40,6 +47,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 _NAME = re.compile(r"^step_(\d{6,})$")
+DIGESTS = "SHA256SUMS"  # sha256sum's format: "<hex>  <file name>" per line
 
 # Trainable parameters only; strict=False on load because the frozen ones are absent by design
 # (DCP itself raises for a trainable parameter the checkpoint lacks).
@@ -113,11 +121,11 @@ def _write_failed(root: Path, partial: Path, final: Path, error: BaseException |
     if dist.get_rank() == 0:
         shutil.rmtree(partial, ignore_errors=True)
     dist.barrier()
-    latest = latest_checkpoint(root.parent)
+    latest = last_good_checkpoint(root.parent)
     raise CheckpointWriteError(
         f"could not write the checkpoint {final} ({reason}). Free space on that disk, or set "
         f"--run.output-dir to a writable folder with room (a checkpoint holds the weights and the AdamW "
-        f"state); the last complete checkpoint is {latest or 'none'}"
+        f"state); the last good checkpoint is {latest or 'none'}"
     )
 
 
@@ -134,10 +142,40 @@ def _prepare(root: Path, final: Path) -> None:
         shutil.rmtree(final)
 
 
-def _finalize(partial: Path, final: Path, step: int, trainer_state: dict) -> None:
-    """Rank 0, after every shard is written: ``trainer.json``, ``COMPLETE``, then the rename."""
+def file_sha256(path: Path) -> str:
+    """sha256 of the file at ``path``, read in 8 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _own_digests(partial: Path, rank: int) -> dict[str, str]:
+    """The sha256 of the shard files this rank wrote (DCP names them ``__<rank>_<i>.distcp``)."""
+    return {p.name: file_sha256(p) for p in sorted(partial.glob(f"__{rank}_*.distcp"))}
+
+
+def _write_digests(partial: Path, digests: dict[str, str]) -> None:
+    """Rank 0: ``SHA256SUMS`` for every file in ``partial`` (those no rank hashed are hashed here),
+    written whole under a temporary name and renamed, so it is never seen half written."""
+    for p in sorted(partial.iterdir()):
+        if p.is_file() and p.name not in digests and p.name not in (DIGESTS, "COMPLETE"):
+            digests[p.name] = file_sha256(p)
+    tmp = partial / f"{DIGESTS}.tmp"
+    with open(tmp, "w") as f:
+        f.writelines(f"{digest}  {name}\n" for name, digest in sorted(digests.items()))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, partial / DIGESTS)
+
+
+def _finalize(partial: Path, final: Path, step: int, trainer_state: dict, digests: dict[str, str]) -> None:
+    """Rank 0, after every shard is written: ``trainer.json``, ``SHA256SUMS`` (``digests``: the
+    shards' sha256), ``COMPLETE``, then the rename."""
     with open(partial / "trainer.json", "w") as f:
         json.dump(trainer_state, f, indent=1)
+    _write_digests(partial, dict(digests))
     (partial / "COMPLETE").write_text(f"{step}\n")
     os.replace(partial, final)
 
@@ -167,15 +205,19 @@ def save_checkpoint(
             error = e
     if not _all_ok(error is None):
         _write_failed(root, partial, final, error)
+    own: dict[str, str] = {}
     try:
         dcp.save(_model_state(models, optimizer, ema=ema, old_policy=old_policy), checkpoint_id=str(partial))
+        own = _own_digests(partial, rank)
     except (OSError, CheckpointException) as e:  # DCP raises on every rank when one fails
         error = e
     if not _all_ok(error is None):
         _write_failed(root, partial, final, error)
+    shards = [None] * dist.get_world_size()
+    dist.all_gather_object(shards, own)
     if rank == 0:
         try:
-            _finalize(partial, final, step, trainer_state)
+            _finalize(partial, final, step, trainer_state, {k: v for d in shards for k, v in d.items()})
         except OSError as e:
             error = e
     if not _all_ok(error is None):
@@ -205,6 +247,64 @@ def checkpoint_problem(path: Path) -> str | None:
             return f"its shard {name} is missing"
         if (have := shard.stat().st_size) < size:
             return f"its shard {name} is truncated ({have} bytes; the metadata needs {size})"
+    return None
+
+
+def read_digests(path: Path) -> dict[str, str] | None:
+    """File name -> sha256 recorded in the checkpoint's ``SHA256SUMS`` (None: saved without one)."""
+    try:
+        text = (Path(path) / DIGESTS).read_text()
+    except FileNotFoundError:
+        return None
+    digests = {}
+    for line in text.splitlines():
+        digest, sep, name = line.partition("  ")
+        if not sep or len(digest) != 64:
+            raise ValueError(f"{Path(path) / DIGESTS} is malformed (line {line!r})")
+        digests[name] = digest
+    return digests
+
+
+def digest_problem(path: Path, rank: int = 0, world_size: int = 1) -> str | None:
+    """Whether the files of the checkpoint at ``path`` still have the sha256 recorded when it was
+    saved: None when they do (or it has no ``SHA256SUMS``), else the first file that differs. This
+    rank checks every ``world_size``-th file from ``rank`` on (the ranks share the reading)."""
+    path = Path(path)
+    try:
+        digests = read_digests(path)
+    except (OSError, ValueError) as e:
+        return f"its {DIGESTS} cannot be read ({e})"
+    if digests is None:
+        return None
+    for name in sorted(digests)[rank::world_size]:
+        file = path / name
+        if not file.is_file():
+            return f"its file {name} is missing"
+        if file_sha256(file) != digests[name]:
+            return (
+                f"its file {name} does not match the sha256 recorded when it was saved (its bytes "
+                "changed after the save: a disk or copy error, or an edit)"
+            )
+    return None
+
+
+def verify_checkpoint(path: Path) -> None:
+    """Raise ``ValueError`` naming the file when the checkpoint at ``path`` is incomplete, cut short
+    or its bytes differ from those saved (one process reads every file)."""
+    path = Path(path)
+    if not (path / "COMPLETE").is_file():
+        raise ValueError(f"{path} is not a complete checkpoint (no COMPLETE marker)")
+    problem = checkpoint_problem(path) or digest_problem(path)
+    if problem:
+        raise ValueError(f"the checkpoint {path} is corrupt: {problem}; use another checkpoint of the run")
+
+
+def last_good_checkpoint(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint whose files are whole and have their saved sha256 (reads them
+    all: for messages after a failure, not for the training loop)."""
+    for path in reversed(list_checkpoints(run_dir)):
+        if checkpoint_problem(path) is None and digest_problem(path) is None:
+            return path
     return None
 
 

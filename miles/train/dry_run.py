@@ -62,9 +62,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from miles.data.prompts import TINY_PROMPTS, truncation_warning
 from miles.train.memory_budget import block_bytes_per_token as _block_bytes_per_token
 from miles.train.plan import PlanError, RunPlan, plan_run
+from miles.train.prompt_checks import truncation_warnings
 
 __all__ = ["DryRunError", "dry_run", "format_report"]
 
@@ -99,21 +99,15 @@ def dry_run(
 
 def _truncation_warnings(plan: RunPlan) -> list[str]:
     """The prompts the text encoder will cut short, counted with the model folder's tokenizer (a
-    folder without one is already reported as one the real run refuses)."""
-    cfg, warnings = plan.cfg, []
+    folder without one is already reported as one the real run refuses); the real run warns alike
+    (:func:`miles.train.prompt_checks.warn_truncated_prompts`)."""
     tokenizer_dir = plan.model.path / "tokenizer"
-    if tokenizer_dir.is_dir():
-        from transformers import AutoTokenizer
+    if not tokenizer_dir.is_dir():
+        return []
+    from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
-        sources = (
-            (plan.prompts, cfg.data.prompt_file or TINY_PROMPTS),
-            (plan.held_out, cfg.eval.prompt_file),
-        )
-        for texts, source in sources:
-            if texts and (w := truncation_warning(texts, tokenizer, cfg.data.max_sequence_length, source)):
-                warnings.append(w)
-    return warnings
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+    return truncation_warnings(plan.cfg, tokenizer, plan.prompts, plan.held_out)
 
 
 # ---------------------------------------------------------------------------------------------

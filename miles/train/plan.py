@@ -6,7 +6,9 @@ prints it (``--dry-run``: :mod:`miles.train.dry_run`), so the two cannot disagre
 device: exact parameter counts, no memory) and checks, in this order: the folder (and its
 image-to-video components), the mesh (world size vs ``--sequence-parallel-size``, the Ulysses
 degree vs the heads, HSDP replicas, Ulysses groups inside a node), the run directory and the
-checkpoint to resume, the prompt files (and their images), the rewards, the attention backend vs
+checkpoint to resume (its files' sha256 included), the model folder's files (every JSON parses, no
+safetensors cut short: :mod:`miles.models.fingerprint`), the prompt files (and their images), the
+rewards — every one of those inputs checked, and all refused at once — the attention backend vs
 the ring, the model's SP plan, the SDE schedule, the LoRA targets and the per-rank memory budget
 (:mod:`miles.train.memory_budget`). A refused setting raises :class:`PlanError` (a ``ConfigError``,
 so a ``ValueError``) whose message names the fix.
@@ -25,11 +27,13 @@ from torch import nn
 
 from miles.config import Config, ConfigError, check_reward_names, config_warnings
 from miles.data.prompts import TINY_PROMPTS, GroupSampler, Prompt, check_prompt_images, load_prompts
+from miles.models.fingerprint import model_fingerprint
 from miles.models.meta import load_meta_model
 from miles.models.wan import DTYPES, WanModel
 from miles.parallel.compile import resolve_compile
 from miles.parallel.topology import ParallelDims, valid_ulysses_degrees
 from miles.parallel.topology_checks import check_ulysses_within_node, local_world_size_from_env
+from miles.train.input_checks import collect_errors, join_errors
 from miles.train.memory_budget import (
     ALLOCATOR_SLACK,
     MemoryBudgetError,
@@ -84,6 +88,7 @@ class RunPlan:
     attention_backend: str | None
     run_dir: Path
     resume_from: Path | None
+    model_fingerprint: dict  # saved with every checkpoint (miles.models.fingerprint)
     prompts: list[Prompt]
     held_out: list[Prompt]
     image_to_video: bool
@@ -163,7 +168,7 @@ def plan_run(
         raise PlanError(str(e)) from None
     dims, mesh = _mesh_report(cfg, model.num_attention_heads, world_size, world_source, local_world_size)
     image_to_video = model.condition_mode is not None
-    inputs = _check_inputs(cfg, dims.dp, image_to_video)
+    inputs = _check_inputs(cfg, dims.dp, model.path, image_to_video)
     warnings += config_warnings(cfg)
     mesh["node_note"] = _node_note(dims, world_size, local_world_size, local_source)
     sp_plan = _sp_plan_report(cfg, dims, model, device_type)
@@ -190,6 +195,7 @@ def plan_run(
         attention_backend=sp_plan["attention_backend"],
         run_dir=inputs["run_dir"],
         resume_from=inputs["resume_from"],
+        model_fingerprint=inputs["model_fingerprint"],
         prompts=inputs["prompts"],
         held_out=inputs["held_out"],
         image_to_video=image_to_video,
@@ -237,32 +243,51 @@ def _check_image_rewards(cfg: Config, image_to_video: bool) -> None:
         )
 
 
-def _check_inputs(cfg: Config, dp: int, image_to_video: bool = False) -> dict:
-    """The checks of run directory, checkpoint to resume, prompt files and rewards: the run
-    directory, the checkpoint (or None), the prompts and held-out prompts, and a summary line."""
+def _check_inputs(cfg: Config, dp: int, model_path: Path, image_to_video: bool = False) -> dict:
+    """The checks of run directory, checkpoint to resume, model folder files, prompt files and
+    rewards, every one run (a refusal lists them all, :func:`~miles.train.input_checks.join_errors`):
+    the run directory, the checkpoint (or None), the model folder's fingerprint, the prompts and
+    held-out prompts, and a summary line."""
     prompt_file = cfg.data.prompt_file or TINY_PROMPTS
     run_dir = Path(cfg.run.output_dir) / cfg.run.name
-    resume_from = None
-    try:
-        check_run_dir(run_dir, cfg.train.resume, cfg.train.overwrite)
-        if cfg.train.resume:  # the checkpoint it would resume: whole, and saved with this config
-            resume_from = resume_checkpoint(run_dir, cfg)
-        prompts = load_prompts(prompt_file)
-        held_out = load_prompts(cfg.eval.prompt_file) if cfg.eval.prompt_file else []
-        check_prompt_images(prompts, prompt_file, image_to_video)
-        check_prompt_images(held_out, cfg.eval.prompt_file, image_to_video)
-        GroupSampler(len(prompts), cfg.data.prompts_per_rank, cfg.data.group_size, dp_rank=0, dp_size=dp)
-        _check_rewards(cfg)
-        _check_image_rewards(cfg, image_to_video)
-    except (ValueError, FileNotFoundError) as e:
-        raise PlanError(str(e)) from None
+    found: dict[str, Any] = {"resume_from": None, "fingerprint": None}
+    prompts: list[Prompt] = []
+    held_out: list[Prompt] = []
+
+    def resume() -> None:  # the checkpoint it would resume: whole, its bytes intact, saved with this config
+        if cfg.train.resume:
+            found["resume_from"] = resume_checkpoint(run_dir, cfg)
+
+    def fingerprint() -> None:  # every JSON parses, no safetensors cut short; saved with each checkpoint
+        found["fingerprint"] = model_fingerprint(model_path)
+
+    errors = collect_errors(
+        lambda: check_run_dir(run_dir, cfg.train.resume, cfg.train.overwrite),
+        resume,
+        fingerprint,
+        lambda: prompts.extend(load_prompts(prompt_file)),
+        lambda: held_out.extend(load_prompts(cfg.eval.prompt_file) if cfg.eval.prompt_file else []),
+        lambda: prompts and check_prompt_images(prompts, prompt_file, image_to_video),
+        lambda: held_out and check_prompt_images(held_out, cfg.eval.prompt_file, image_to_video),
+        lambda: (
+            prompts
+            and GroupSampler(
+                len(prompts), cfg.data.prompts_per_rank, cfg.data.group_size, dp_rank=0, dp_size=dp
+            )
+        ),
+        lambda: _check_rewards(cfg),
+        lambda: _check_image_rewards(cfg, image_to_video),
+    )
+    if errors:
+        raise PlanError(join_errors(errors))
     summary = f"{len(prompts)} prompts from {prompt_file}" + (
         f" ({len(held_out)} held out from {cfg.eval.prompt_file})" if held_out else ""
     )
     rewards = ", ".join(f"{name} {weight:g}" for name, weight in cfg.reward.weights.items())
     return {
         "run_dir": run_dir,
-        "resume_from": resume_from,
+        "resume_from": found["resume_from"],
+        "model_fingerprint": found["fingerprint"],
         "prompts": prompts,
         "held_out": held_out,
         "summary": f"{summary}; rewards {rewards}; run dir {run_dir}",

@@ -1,8 +1,10 @@
 """Which checkpoint a launch resumes from, checked before any weights load.
 
 :func:`resume_checkpoint` takes the newest complete checkpoint in the run directory whose files
-are whole (:func:`miles.train.checkpoint.checkpoint_problem`); a newer one that is cut short or
-unreadable is named in a warning and skipped, so the run falls back to the previous one. The
+are whole (:func:`miles.train.checkpoint.checkpoint_problem`) and still have the sha256 recorded in
+their ``SHA256SUMS`` (:func:`~miles.train.checkpoint.digest_problem`; the ranks share the reading and
+agree on the result); a newer one that is cut short, unreadable or whose bytes changed is named in a
+warning with its file and skipped, so the run falls back to the previous one and never trains on it. The
 configuration saved with it must agree with this launch on what the checkpoint's tensors and the
 run's data depend on (``RESUME_MUST_MATCH``): the model and its experts, the LoRA adapters, the
 prompts, the seed and the algorithm. A difference is refused with a message naming each key, the
@@ -23,10 +25,12 @@ import json
 import sys
 from pathlib import Path
 
+import torch.distributed as dist
+
 from miles.config import Config
 from miles.models.fingerprint import check_base_model, model_fingerprint
 from miles.models.wan import resolve_model_path
-from miles.train.checkpoint import checkpoint_problem, list_checkpoints
+from miles.train.checkpoint import checkpoint_problem, digest_problem, list_checkpoints
 from miles.train.logging import print0
 
 # dotted config key -> what it decides (for the message)
@@ -101,8 +105,23 @@ def check_resume_config(path: Path, saved: dict, cfg: Config) -> None:
         )
 
 
-def resume_checkpoint(run_dir: Path, cfg: Config) -> Path | None:
-    """The checkpoint to resume from (None: none saved yet): the newest whole one. Its config and model
+def shared_problem(path: Path, verify_digests: bool = True) -> str | None:
+    """What is wrong with the checkpoint at ``path`` (None: nothing), the same on every rank: file
+    sizes and metadata, then (``verify_digests``) the sha256 of every file, each rank hashing its
+    share of the files when torch.distributed is initialised."""
+    problem = checkpoint_problem(path)
+    if problem is not None or not verify_digests:
+        return problem
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return digest_problem(path)
+    found = [None] * dist.get_world_size()
+    dist.all_gather_object(found, digest_problem(path, dist.get_rank(), dist.get_world_size()))
+    return next((p for p in found if p is not None), None)
+
+
+def resume_checkpoint(run_dir: Path, cfg: Config, verify_digests: bool = True) -> Path | None:
+    """The checkpoint to resume from (None: none saved yet): the newest whole one whose bytes match
+    their saved sha256 (``verify_digests``; collective under torch.distributed). Its config and model
     fingerprint (and those of any newer, corrupt one) are checked first: a mismatch is refused, whole
     or not."""
     bad = []
@@ -113,7 +132,7 @@ def resume_checkpoint(run_dir: Path, cfg: Config) -> Path | None:
             if saved.get("model_fingerprint"):
                 fingerprint = fingerprint or current_fingerprint(cfg)
                 check_base_model(path, saved["model_fingerprint"], fingerprint)
-        problem = checkpoint_problem(path)
+        problem = shared_problem(path, verify_digests)
         if problem is None:
             return path
         bad.append(path)

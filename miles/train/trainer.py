@@ -33,7 +33,6 @@ from miles.config import Config
 from miles.data.prompts import GroupSampler
 from miles.eval import evaluate, summarize, write_eval
 from miles.eval.evaluate import eval_settings, grid_caption
-from miles.models.fingerprint import model_fingerprint
 from miles.models.wan import (
     WanModel,
     load_wan,
@@ -50,6 +49,7 @@ from miles.train.checkpoint import (
     checkpoint_error_reason,
     has_ema,
     has_state,
+    last_good_checkpoint,
     latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
@@ -63,7 +63,9 @@ from miles.train.memory_budget import ResidentMemory, model_sizes, rollout_shape
 from miles.train.old_policy import OldPolicy
 from miles.train.parallelize import compute_dtype, parallelize
 from miles.train.plan import plan_run
-from miles.train.run_dir import clear_run_dir
+from miles.train.prompt_checks import warn_truncated_prompts
+from miles.train.reward_failure import GuardedRewards, reward_failed
+from miles.train.run_dir import clear_run_dir, lock_run_dir
 from miles.train.runtime import deterministic_kernels, init_distributed, peak_memory_gib
 from miles.train.score import NonFiniteError, score
 from miles.train.stop import GracefulStop, StopRequested
@@ -106,6 +108,9 @@ class Trainer:
         # The checkpoint to resume: whole, and saved with this model, adapters, prompts, seed, algorithm.
         self.resume_from = self.plan.resume_from
         self._load_inputs()
+        # Saved with every lean checkpoint (a resume re-reads the frozen weights from this folder); the plan
+        # read every JSON and safetensors header, naming a broken or truncated file before any weights load.
+        self.model_fingerprint = self.plan.model_fingerprint
         # The transformers come as meta skeletons: _parallelize shards them, then loads each rank's shards.
         self.model: WanModel = load_wan(cfg.model, self.device, experts="skeleton", seed=cfg.run.seed)
         self.prompt_cache = PromptCache(
@@ -116,8 +121,8 @@ class Trainer:
             offload=cfg.model.text_encoder_offload,
             batch_size=cfg.train.micro_batch_size,
         )
-        # Saved with every (lean) checkpoint: a resume re-reads the frozen weights from this folder.
-        self.model_fingerprint = model_fingerprint(self.model.path)
+        tokenizer = getattr(self.model.pipeline, "tokenizer", None)
+        warn_truncated_prompts(cfg, tokenizer, self.prompts, self.eval_prompts, self.rank)  # as the dry run
         self.mesh = build_parallel_mesh(self.dims, self.device.type)
         self.sampler = GroupSampler(
             num_prompts=len(self.prompts),
@@ -166,6 +171,7 @@ class Trainer:
             stop=self.stop.requested,
             progress=self.progress,
         )
+        self.run_lock = lock_run_dir(self.run_dir)  # one launch per run directory, before any write
         self._open_run_dir()
         if self.resume_from is not None:
             self._resume(self.resume_from)
@@ -241,6 +247,7 @@ class Trainer:
             + held_out
         )
         self.rewards, self.gold_rewards = build_configured_rewards(cfg.reward, self.device)
+        self.rewards = GuardedRewards(self.rewards)  # a server down after retries: save and stop
 
     def _resident_memory(self) -> ResidentMemory:
         """The per-rank resident terms (weights, optimizer, rollout, decode...) of this run, from the
@@ -473,8 +480,13 @@ class Trainer:
             step_stats = self.train_on(batch)
             after = self.algorithm.after_rollout(self.policy, self.step)
         except NonFiniteError as e:
+            if (failure := self.rewards.agreed_failure(self.device)) is not None:
+                self.sampler.load_state_dict(sampler_state)  # the resumed run redoes this rollout
+                if self._saved_step != self.step and self.step > 0:
+                    self.save()
+                raise reward_failed(failure, self.step, last_good_checkpoint(self.run_dir)) from None
             # Nothing of this rollout is saved: the last complete checkpoint stays the good one.
-            last = latest_checkpoint(self.run_dir)
+            last = last_good_checkpoint(self.run_dir)  # verified: a corrupt one is never named good
             raise NonFiniteError(
                 f"{e}. Stopped without saving; the last good checkpoint is {last or 'none (none was saved)'}"
             ) from None

@@ -258,7 +258,7 @@ def _nonfinite_body(rank, world_size, out_dir, where, bad_step, expect_step):
 
     trainer = T.Trainer(_config(out_dir))
     if where == "reward":
-        score = trainer.rewards
+        score = trainer.rewards.inner  # the reward mix inside the trainer's failure guard
 
         def rewards(videos, prompts):
             combined, per_reward = score(videos, prompts)
@@ -268,7 +268,7 @@ def _nonfinite_body(rank, world_size, out_dir, where, bad_step, expect_step):
             return combined, per_reward
 
         rewards.names = score.names
-        trainer.rewards = rewards
+        trainer.rewards.inner = rewards
     elif where == "loss":
         import miles.algorithms.flow_grpo as A  # the algorithm forms the loss
 

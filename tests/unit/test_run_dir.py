@@ -87,3 +87,48 @@ def test_a_read_only_run_directory_is_refused_before_anything_runs(tmp_path, mon
     monkeypatch.setattr(os, "access", lambda path, mode: Path(path).name != "checkpoints")
     with pytest.raises(ValueError, match="checkpoints is not writable"):
         check_run_dir(run_dir, resume=True, overwrite=False)
+
+
+_HOLD = """
+import sys
+from miles.train.run_dir import RunDirLock
+lock = RunDirLock(sys.argv[1])
+print("held", flush=True)
+sys.stdin.read()  # hold until the test closes stdin (or kills this process)
+"""
+
+
+def test_one_launch_per_run_directory_and_a_dead_holder_frees_it(tmp_path):
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    from miles.train.run_dir import LOCK_NAME, RunDirLock, lock_run_dir
+
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLD, str(run_dir)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        named = rf"in use by another launch \(pid {holder.pid} on host {socket.gethostname()}, started "
+        with pytest.raises(ValueError, match=named):
+            check_run_dir(run_dir, resume=True, overwrite=False)  # the early probe (every rank, dry run)
+        with pytest.raises(ValueError, match=named + r".*--run.name NEW_NAME"):
+            lock_run_dir(run_dir)  # the real acquisition
+    finally:
+        holder.send_signal(signal.SIGKILL)  # a launch that dies without cleaning up
+        holder.wait()
+    assert (run_dir / LOCK_NAME).is_file()  # its file stays, naming a dead pid: not a lock
+    check_run_dir(run_dir, resume=True, overwrite=False)
+    lock = RunDirLock(run_dir)
+    assert f'"pid": {os.getpid()}' in (run_dir / LOCK_NAME).read_text()
+    assert lock_run_dir(run_dir) is lock  # this process's own lock is reused (a second Trainer in tests)
+    lock.release()
