@@ -1,6 +1,7 @@
 """Export through the real launcher: the diffusers folders a run leaves under ``<run>/export``.
 
-Two 2-process torchrun runs of the tiny two-expert recipe, one rollout (2 optimizer steps) each:
+Two runs of the tiny two-expert recipe in one 2-process torchrun launch (``tests/e2e/multi_run.py``),
+one rollout (2 optimizer steps) each:
 
 - full fine-tune at dp1 x sp2 (the experts carry the sequence-parallel install when gathered):
   ``WanPipeline.from_pretrained(<run>/export/pipeline)`` loads, and both experts' weights equal the
@@ -19,12 +20,12 @@ About 30 s on 2 cores.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.e2e.multi_run import launch_runs
 
 pytestmark = pytest.mark.e2e
 
@@ -34,21 +35,10 @@ EXPERTS = ("transformer", "transformer_2")
 LORA_RANK, LORA_ALPHA = 4, 64.0
 
 
-def _train(root: Path, name: str, *flags: str) -> Path:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    cmd += ["--max-restarts", "0", "train_grpo.py", "--config", "configs/tiny_cpu.yaml"]
-    cmd += ["--run.output-dir", str(root), "--run.name", name, "--run.wandb-mode", "disabled"]
-    cmd += ["--run.no-progress", "--train.num-rollouts", "1", "--model.tiny-model-dir", str(TINY.parent)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    env.pop("MILES_FAULT_KILL", None)
-    proc = subprocess.run(
-        [*cmd, *flags], cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False
-    )
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"training run failed (rc {proc.returncode}):\n{out[-6000:]}"
-    assert "[miles] exported the trained model to" in out, out[-3000:]
-    assert "should be kept in float32" not in out, "the export cast the fp32-kept modules"
-    return root / name
+def _check_run(run) -> Path:
+    assert "[miles] exported the trained model to" in run.output, run.output[-3000:]
+    assert "should be kept in float32" not in run.output, "the export cast the fp32-kept modules"
+    return run.run_dir
 
 
 def _final_checkpoint(run_dir: Path, tmp: Path) -> list[dict[str, torch.Tensor]]:
@@ -67,10 +57,14 @@ def _final_checkpoint(run_dir: Path, tmp: Path) -> list[dict[str, torch.Tensor]]
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("export")
-    full = _train(root, "full", "--sequence-parallel-size", "2", "--ulysses-degree", "2")
-    lora = _train(root, "lora", "--model.lora-rank", str(LORA_RANK), "--model.lora-alpha", str(LORA_ALPHA))
-    return {"full": full, "lora": lora}
+    base = ["--config", "configs/tiny_cpu.yaml", "--run.wandb-mode", "disabled"]
+    base += ["--run.no-progress", "--train.num-rollouts", "1", "--model.tiny-model-dir", str(TINY.parent)]
+    flags = {
+        "full": [*base, "--sequence-parallel-size", "2", "--ulysses-degree", "2"],
+        "lora": [*base, "--model.lora-rank", str(LORA_RANK), "--model.lora-alpha", str(LORA_ALPHA)],
+    }
+    launched = launch_runs(tmp_path_factory.mktemp("export"), flags, nproc=2, timeout_s=600)
+    return {name: _check_run(run) for name, run in launched.items()}
 
 
 def _pipeline(path: Path):
