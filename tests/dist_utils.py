@@ -244,8 +244,11 @@ def run_pooled(fn, world_size: int, *args, **kwargs) -> None:
         raise
     failed = {r: e for r, e in errors.items() if e is not None}
     if failed or len(errors) < world_size:
-        _pools.pop(world_size).close()  # a rank may be left inside a collective: start afresh
         silent = sorted(set(range(world_size)) - set(errors))
+        dead = {r: pool.procs[r].exitcode for r in silent if pool.procs[r].exitcode is not None}
         msgs = [f"rank {r}:\n{e}" for r, e in sorted(failed.items())]
-        msgs += [f"rank(s) {silent} did not finish (stuck in a collective?)"] if silent else []
+        msgs += [f"rank {r} died (exit code {code})" for r, code in dead.items()]
+        if stuck := [r for r in silent if r not in dead]:
+            msgs += [f"rank(s) {stuck} did not finish (stuck in a collective?)"]
+        _pools.pop(world_size).close()  # a rank may be left inside a collective: start afresh
         raise AssertionError("distributed test failed:\n" + "\n".join(msgs))

@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +42,11 @@ class Run:
     run_dir: Path
     stdout: str  # this run's part of the launch's stdout (rank 0's markers delimit it)
     stderr: str
+
+    @property
+    def seconds(self) -> float:
+        """Wall time of the run inside the launch (rank 0, from its start to every rank's end)."""
+        return float(re.search(rf"^\[multi_run\] {re.escape(self.name)} took (\S+) s$", self.stdout, re.M)[1])
 
     @property
     def output(self) -> str:
@@ -152,10 +159,12 @@ def _main(spec_file: str) -> int:
     switches, seed = _switches(), torch.initial_seed()
     for run in json.loads(Path(spec_file).read_text()):
         _say(f"{BEGIN}{run['name']}")
+        t0 = time.perf_counter()
         code = train_grpo.main(run["argv"])
         if code != 0:
             return code
         dist.barrier()
+        _say(f"[multi_run] {run['name']} took {time.perf_counter() - t0:.1f} s")
         _say(f"{END}{run['name']}")
         _reset(switches, seed)
     dist.destroy_process_group()

@@ -14,17 +14,20 @@ the bands' recipe, whose sharpness reward is continuous).
   sampling weights, so the (normalised) ratio is exactly 1 and the log-prob canary 0 — the
   training recompute under SP reproduces the rollout's log-probs bit for bit; the second step's
   ratio moves.
+
+The runs share the session's torchrun launches with the other modules' (``tests/e2e/conftest.py``).
 """
 
 from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch.distributed.checkpoint as dcp
 
-from tests.e2e.test_train import _launch
+from tests.e2e.test_train import TINY_RECIPE, check_log
 
 pytestmark = pytest.mark.e2e
 
@@ -51,9 +54,28 @@ def _agree(first: list[dict], second: list[dict]) -> None:
                 )  # the GRPO bands tolerance
 
 
-def test_nft_sequence_parallel_parity(tmp_path):
-    dp2 = _rows(_launch(tmp_path, "nft_dp2", *NFT, *BANDS, nproc=2))
-    run = _launch(tmp_path, "nft_dp2sp2", *NFT, *SP2, *BANDS)
+SDE_VARIANTS = {"guard": ["--algorithm.name", "grpo_guard"], "cps": ["--rollout.sde-type", "cps"]}
+
+
+SHARED_RUNS = {  # tests/e2e/conftest.py
+    2: {"nft_dp2": [*TINY_RECIPE, *NFT, *BANDS]},
+    4: {
+        "nft_dp2sp2": [*TINY_RECIPE, *NFT, *SP2, *BANDS],
+        "nft_dp4": [*TINY_RECIPE, *NFT, *BANDS],
+        "nft_dp2sp2_ppr4": [*TINY_RECIPE, *NFT, *SP2, *BANDS, "--data.prompts-per-rank", "4"],
+        **{name: [*TINY_RECIPE, *flags, *SP2, "--train.no-export"] for name, flags in SDE_VARIANTS.items()},
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def runs(shared_runs) -> dict[str, Path]:
+    return {name: check_log(shared_runs[name]) for named in SHARED_RUNS.values() for name in named}
+
+
+def test_nft_sequence_parallel_parity(runs):
+    dp2 = _rows(runs["nft_dp2"])
+    run = runs["nft_dp2sp2"]
     sp = _rows(run)
     _agree(dp2, sp)
     firsts = [r for r in sp if "reward/mean" in r]
@@ -64,17 +86,13 @@ def test_nft_sequence_parallel_parity(tmp_path):
     assert any(k.startswith("old_policy.") for k in meta.state_dict_metadata)
 
 
-def test_nft_dp_layouts_agree(tmp_path):
-    dp4 = _rows(_launch(tmp_path, "nft_dp4", *NFT, *BANDS))
-    sp = _rows(_launch(tmp_path, "nft_dp2sp2", *NFT, *SP2, *BANDS, "--data.prompts-per-rank", "4"))
-    _agree(dp4, sp)
+def test_nft_dp_layouts_agree(runs):
+    _agree(_rows(runs["nft_dp4"]), _rows(runs["nft_dp2sp2_ppr4"]))
 
 
-@pytest.mark.parametrize(
-    "flags", [["--algorithm.name", "grpo_guard"], ["--rollout.sde-type", "cps"]], ids=["guard", "cps"]
-)
-def test_sde_variants_train(tmp_path, flags):
-    rows = _rows(_launch(tmp_path, "run", *flags, *SP2, "--train.no-export"))
+@pytest.mark.parametrize("name", list(SDE_VARIANTS))
+def test_sde_variants_train(runs, name):
+    rows = _rows(runs[name])
     firsts = [r for r in rows if "reward/mean" in r]
     assert [r["train/ratio"] for r in firsts] == [1.0, 1.0]
     assert all(r["train/log_prob_mean_abs_diff"] == 0.0 for r in firsts)

@@ -1,7 +1,7 @@
 """Export through the real launcher: the diffusers folders a run leaves under ``<run>/export``.
 
-Two runs of the tiny two-expert recipe in one 2-process torchrun launch (``tests/e2e/multi_run.py``),
-one rollout (2 optimizer steps) each:
+Two 2-process runs of the tiny two-expert recipe (in the session's shared torchrun launch,
+``tests/e2e/conftest.py``), one rollout (2 optimizer steps) each:
 
 - full fine-tune at dp1 x sp2 (the experts carry the sequence-parallel install when gathered):
   ``WanPipeline.from_pretrained(<run>/export/pipeline)`` loads, and both experts' weights equal the
@@ -24,8 +24,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from tests.e2e.multi_run import launch_runs
 
 pytestmark = pytest.mark.e2e
 
@@ -55,16 +53,19 @@ def _final_checkpoint(run_dir: Path, tmp: Path) -> list[dict[str, torch.Tensor]]
     return experts
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    base = ["--config", "configs/tiny_cpu.yaml", "--run.wandb-mode", "disabled"]
-    base += ["--run.no-progress", "--train.num-rollouts", "1", "--model.tiny-model-dir", str(TINY.parent)]
-    flags = {
-        "full": [*base, "--sequence-parallel-size", "2", "--ulysses-degree", "2"],
-        "lora": [*base, "--model.lora-rank", str(LORA_RANK), "--model.lora-alpha", str(LORA_ALPHA)],
+_BASE = ["--config", "configs/tiny_cpu.yaml", "--run.wandb-mode", "disabled", "--run.no-progress"]
+_BASE += ["--train.num-rollouts", "1", "--model.tiny-model-dir", str(TINY.parent)]
+SHARED_RUNS = {  # tests/e2e/conftest.py
+    2: {
+        "full": [*_BASE, "--sequence-parallel-size", "2", "--ulysses-degree", "2"],
+        "lora": [*_BASE, "--model.lora-rank", str(LORA_RANK), "--model.lora-alpha", str(LORA_ALPHA)],
     }
-    launched = launch_runs(tmp_path_factory.mktemp("export"), flags, nproc=2, timeout_s=600)
-    return {name: _check_run(run) for name, run in launched.items()}
+}
+
+
+@pytest.fixture(scope="module")
+def runs(shared_runs):
+    return {name: _check_run(shared_runs[name]) for name in SHARED_RUNS[2]}
 
 
 def _pipeline(path: Path):

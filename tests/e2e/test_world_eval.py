@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.world_launch import launch_world
+from tests.world_launch import NPROC, WORLD
 
 pytestmark = pytest.mark.e2e
 
@@ -42,8 +42,7 @@ FLAGS = [
 ]
 
 
-def _launch(root: Path, name: str, *flags: str) -> Path:
-    return launch_world(root, name, *FLAGS, *flags, timeout_s=600)
+SHARED_RUNS = {NPROC: {"grpo": [*WORLD, *FLAGS]}}  # in the session's shared launch (tests/e2e/conftest.py)
 
 
 def _evals(run_dir: Path) -> list[dict]:
@@ -51,9 +50,8 @@ def _evals(run_dir: Path) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("learning")
-    return {"grpo": _launch(root, "grpo")}
+def runs(shared_runs) -> dict[str, Path]:
+    return {"grpo": shared_runs["grpo"].run_dir}
 
 
 def test_heldout_evaluation_at_start_and_end(runs):
