@@ -71,7 +71,7 @@ def launch_runs(
     """One torchrun launch of ``nproc`` processes running ``train_grpo.py <flags> --run.output-dir
     root --run.name NAME`` for each ``NAME: flags`` of ``runs``, in order. Asserts the launch
     succeeded; a failure after every rank had finished (a teardown abort) is retried once, from
-    clean run directories."""
+    the run directories as they were before the launch."""
     from tests.dist_utils import FINISHED_ENV, may_retry
 
     root.mkdir(parents=True, exist_ok=True)
@@ -88,6 +88,10 @@ def launch_runs(
         if hook not in (env or {}):
             full_env.pop(hook, None)
     full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), full_env.get("PYTHONPATH")]))
+    backup = Path(tempfile.mkdtemp(prefix="before_", dir=root))  # run folders a run resumes from
+    for name in runs:
+        if (root / name).exists():
+            shutil.copytree(root / name, backup / name)
     for attempt in range(2):
         full_env[FINISHED_ENV] = tempfile.mkdtemp(prefix="finished_", dir=root)
         proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout_s)
@@ -98,6 +102,9 @@ def launch_runs(
             break
         for name in runs:
             shutil.rmtree(root / name, ignore_errors=True)
+            if (backup / name).exists():
+                shutil.copytree(backup / name, root / name)
+    shutil.rmtree(backup, ignore_errors=True)
     assert proc.returncode == 0, (
         f"launch of {list(runs)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
     )

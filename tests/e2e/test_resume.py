@@ -16,9 +16,10 @@ dp4 run of 3 rollouts (6 optimizer steps) as the reference.
   dp2 x sp2 (ulysses 2) and at dp1 x sp4 (ulysses 2 x ring 2) with the weights sha256 printed at
   load equal to the one printed at save, and each continues one more rollout; the sp4 run's step-8
   checkpoint then loads back at dp4 (same digest) and continues. The global batch stays 8 prompt
-  groups (prompts-per-rank 2 at dp4, 4 at dp2, 8 at dp1).
+  groups (prompts-per-rank 2 at dp4, 4 at dp2, 8 at dp1). The two layouts' runs share one launch
+  (``tests/e2e/multi_run.py``).
 
-About 3 minutes on 2 cores (6 launches).
+About 3 minutes on 2 cores (10 launches).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from pathlib import Path
 import pytest
 
 from tests.dist_utils import FINISHED_ENV, finished_ranks, may_retry
+from tests.e2e.multi_run import launch_runs
 
 pytestmark = pytest.mark.e2e
 
@@ -49,6 +51,11 @@ RESUMED = re.compile(
     r"\[miles\] resumed from (\S+) \(step (\d+), rollout (\d+); saved at dp (\d+) x sp (\d+), "
     r"now dp (\d+) x sp (\d+)\) \(weights sha256 ([0-9a-f]{64})\)"
 )
+
+
+RECIPE = ["--config", "configs/tiny_cpu.yaml", "--run.wandb-mode", "disabled", "--run.no-progress"]
+RECIPE += ["--deterministic-mode", "--train.weight-digest", "--train.no-export"]
+RECIPE += ["--train.checkpoint-every", "1", "--train.steps-per-rollout", "2"]
 
 
 @dataclass
@@ -79,10 +86,8 @@ def launch(
     ``interrupt_after``: SIGINT the launch's whole process group (torchrun and every worker, as a
     Ctrl-C in a terminal does) as soon as an output line starts with this text."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
-    cmd += ["--max-restarts", "0", "train_grpo.py", "--config", "configs/tiny_cpu.yaml"]
-    cmd += ["--run.output-dir", str(root), "--run.name", name, "--run.wandb-mode", "disabled"]
-    cmd += ["--run.no-progress", "--deterministic-mode", "--train.weight-digest", "--train.no-export"]
-    cmd += ["--train.checkpoint-every", "1", "--train.steps-per-rollout", "2", *flags]
+    cmd += ["--max-restarts", "0", "train_grpo.py", *RECIPE]
+    cmd += ["--run.output-dir", str(root), "--run.name", name, *flags]
     finished_dir = Path(tempfile.mkdtemp(prefix="finished_", dir=root))
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
     full_env[FINISHED_ENV] = str(finished_dir)
@@ -257,10 +262,13 @@ def _check_resumed(run: Launch, step: int, saved_at: tuple[int, int], now: tuple
 
 def test_resume_across_topologies(reference, tmp_path):
     digest = reference.saved()[6]
-    runs = {}
-    for name, sp, ulysses, ppr, now in LAYOUTS:
+    for name, *_ in LAYOUTS:
         _copy_run(reference.run_dir, tmp_path / name, 6)
-        runs[name] = launch_ok(tmp_path, name, *_layout_flags(sp, ulysses, ppr, 4))
+    # both layouts in one launch (tests/e2e/multi_run.py): each resumes its own copy
+    flags = {name: [*RECIPE, *_layout_flags(sp, u, ppr, 4)] for name, sp, u, ppr, _ in LAYOUTS}
+    launched = launch_runs(tmp_path, flags, nproc=4, env={"WANDB_MODE": "disabled"}, timeout_s=600)
+    runs = {name: Launch(0, r.output, r.seconds, r.run_dir, tmp_path) for name, r in launched.items()}
+    for name, *_, now in LAYOUTS:
         _check_resumed(runs[name], 6, (4, 1), now, digest)
 
     # ... and back: the sp4 run's step-8 checkpoint at dp4.
