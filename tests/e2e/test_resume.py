@@ -3,7 +3,8 @@
 Every run is ``torchrun --standalone --nproc-per-node 4 --max-restarts 0 train_grpo.py`` on the tiny
 recipe (``configs/tiny_cpu.yaml``) in deterministic mode, checkpointing after every rollout
 (``train.steps_per_rollout`` 2: checkpoints at steps 2, 4, 6). The module shares one uninterrupted
-dp4 run of 3 rollouts (6 optimizer steps) as the reference.
+dp4 run of 3 rollouts (6 optimizer steps) as the reference (a run of the session's shared launch,
+``tests/e2e/conftest.py``).
 
 - ``test_kill_mid_step_then_resume_is_bitwise_exact``: ``MILES_FAULT_KILL=1:5`` SIGKILLs rank 1 in
   the middle of optimizer step 5 (rollout 2). The launch must fail promptly (torchrun tears the
@@ -19,7 +20,7 @@ dp4 run of 3 rollouts (6 optimizer steps) as the reference.
   groups (prompts-per-rank 2 at dp4, 4 at dp2, 8 at dp1). The two layouts' runs share one launch
   (``tests/e2e/multi_run.py``).
 
-About 3 minutes on 2 cores (10 launches).
+About 3 minutes on 2 cores (9 launches and a run in the shared one).
 """
 
 from __future__ import annotations
@@ -166,11 +167,17 @@ def checkpoint_names(run_dir: Path) -> list[str]:
     return sorted(p.name for p in (run_dir / "checkpoints").iterdir())
 
 
+# The uninterrupted dp4 run: 3 rollouts, checkpoints at steps 2, 4, 6 (keeps all three); in the
+# session's shared launch (tests/e2e/conftest.py). Its time excludes the launch's start-up.
+SHARED_RUNS = {
+    4: {"resume_reference": [*RECIPE, "--train.num-rollouts", "3", "--train.keep-checkpoints", "3"]}
+}
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Launch:
-    """The uninterrupted dp4 run: 3 rollouts, checkpoints at steps 2, 4, 6 (keeps all three)."""
-    root = tmp_path_factory.mktemp("resume")
-    run = launch_ok(root, "reference", "--train.num-rollouts", "3", "--train.keep-checkpoints", "3")
+def reference(shared_runs) -> Launch:
+    shared = shared_runs["resume_reference"]
+    run = Launch(0, shared.output, shared.seconds, shared.run_dir, shared.run_dir.parent)
     assert sorted(run.saved()) == [2, 4, 6], run.output[-3000:]
     assert sorted(last_rows(run.run_dir)) == [1, 2, 3, 4, 5, 6]
     return run
