@@ -83,7 +83,9 @@ def launch_runs(
     spec_file.write_text(json.dumps(spec))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
     cmd += ["--max-restarts", "0", str(Path(__file__)), str(spec_file)]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
+    # Unbuffered: every rank's lines of a run reach the pipe before rank 0 writes the run's end.
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    full_env.update(env or {})
     for hook in ("MILES_FAULT_KILL", "MILES_FAULT_SIGNAL"):  # testing hooks reach only the runs that ask
         if hook not in (env or {}):
             full_env.pop(hook, None)
