@@ -63,24 +63,25 @@ def _train_flags(
 ARGV = ["--rollouts", "5", "--double-run", "--rerun-rollouts", "2"]
 
 
-def _launches(out: Path) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
-    """e2e_bands' first runs and second runs (name: flags), as ``e2e_bands.run_band`` makes them."""
-    args = B.parse_args(["--out", str(out), *ARGV])
-    args.out = out.resolve()
-    # as run_band: the first run checkpoints where the second one ends
-    ckpt_every = args.rerun_rollouts if args.rerun_rollouts < args.rollouts else 0
-    firsts = {b: _train_flags(args, b, sp, u, b, args.rollouts, ckpt_every) for b, sp, u in B.BANDS}
-    reruns = {
-        f"{b}_rerun": _train_flags(args, b, sp, u, f"{b}_rerun", args.rerun_rollouts, 0)
-        for b, sp, u in B.BANDS
-    }
+def _launches() -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+    """e2e_bands' first runs and second runs (name: flags), as ``e2e_bands.run_band`` makes them
+    (recorded into a scratch folder: ``launch`` clears the run folder it is about to fill)."""
+    with tempfile.TemporaryDirectory() as scratch:
+        args = B.parse_args(["--out", scratch, *ARGV])
+        args.out = Path(scratch).resolve()
+        # as run_band: the first run checkpoints where the second one ends
+        ckpt_every = args.rerun_rollouts if args.rerun_rollouts < args.rollouts else 0
+        firsts = {b: _train_flags(args, b, sp, u, b, args.rollouts, ckpt_every) for b, sp, u in B.BANDS}
+        reruns = {
+            f"{b}_rerun": _train_flags(args, b, sp, u, f"{b}_rerun", args.rerun_rollouts, 0)
+            for b, sp, u in B.BANDS
+        }
     return firsts, reruns
 
 
 def SHARED_RUNS() -> dict[int, dict[str, list[str]]]:  # noqa: N802 (tests/e2e/conftest.py)
     """The first runs go into the session's shared 4-process launch."""
-    with tempfile.TemporaryDirectory() as out:
-        return {NPROC: _launches(Path(out))[0]}
+    return {NPROC: _launches()[0]}
 
 
 def test_e2e_bands_double_run(shared_runs, shared_root):
@@ -88,8 +89,9 @@ def test_e2e_bands_double_run(shared_runs, shared_root):
     first run in the session's shared launch, every second run in one launch of its own (so each
     double run still compares two processes); the script's analysis and report run unchanged."""
     out = shared_root.parent
-    runs = {name: shared_runs[name] for name in _launches(out)[0]}
-    runs.update(launch_runs(shared_root, _launches(out)[1], nproc=NPROC, env={"WANDB_MODE": "disabled"}))
+    firsts, reruns = _launches()
+    runs = {name: shared_runs[name] for name in firsts}
+    runs.update(launch_runs(shared_root, reruns, nproc=NPROC, env={"WANDB_MODE": "disabled"}))
 
     def replay(args, band, sp, ulysses, name, rollouts, ckpt_every):
         assert runs[name].run_dir == args.out / "runs" / name
