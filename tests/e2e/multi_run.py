@@ -172,6 +172,8 @@ def _main(spec_file: str) -> int:
         code = train_grpo.main(run["argv"])
         if code != 0:
             return code
+        if not dist.is_initialized():  # it cannot be re-created under torchrun: the next run would hang
+            raise RuntimeError("train_grpo.main destroyed the process group: keep it as train_grpo.dist")
         dist.barrier()
         _say(f"[multi_run] {run['name']} took {time.perf_counter() - t0:.1f} s")
         _say(f"{END}{run['name']}")
