@@ -151,17 +151,14 @@ def stock_model(cfg: dict):
 def miles_model(cfg: dict, mesh, modes, compiled: bool):
     from diffusers import WanTransformer3DModel
 
-    from miles.parallel.fsdp import apply_fsdp
-    from miles.sequence_parallel import apply_sequence_parallel
+    from miles.train.parallelize import parallelize_expert
 
     torch.manual_seed(0)
     model = WanTransformer3DModel(**cfg, **COMMON).to(DEV, torch.float32).train()
-    if BACKEND:
-        model.set_attention_backend(BACKEND)
-    apply_sequence_parallel(model, mesh)
-    apply_fsdp(
+    parallelize_expert(
         model,
-        mesh.fsdp_mesh,
+        mesh,
+        attention_backend=BACKEND or None,
         param_dtype=torch.bfloat16,
         reduce_dtype=torch.float32,
         checkpoint_modes=modes,

@@ -19,10 +19,16 @@ seeds, ODE sampling) in deterministic mode with 4 CPU processes:
 - ``cfg-*``: Flow-GRPO as its paper runs it, rolled out and trained with CFG (guidance 4), in
   the same layouts and control, and with GRPO-Guard (``cfg-guard-dp4``) and CPS sampling
   (``cfg-cps-dp4``); ``guard-dp4``, ``cps-dp4``: the same two CFG-free;
-- ``*-1step``: the whole rollout (64 samples) in one optimizer step instead of two steps of 32.
+- ``*-1step``: the whole rollout (64 samples) in one optimizer step instead of two steps of 32;
+- the recipe search of issue 31: ``kl-dp4`` (CFG-free with a KL), ``cfg-clip4-dp4`` (CFG, clip
+  range x 4), ``nft-cfgroll-dp4`` (DiffusionNFT on CFG rollouts, trained CFG-free), the negated
+  twins of Guard, CPS and ``nft-cfgroll``, and ``<run>-lr1e-4`` / ``-lr3e-4`` (the shared lr).
 
-Every run keeps the recipe's optimizer, learning rate, batch and evaluation: nothing is tuned per
-method.
+``--gpu`` runs each on the GPU path instead: one process, bf16, compiled blocks, not deterministic,
+the same global batch (docs/learning.md, "The GPU path"); ``--time-limit`` stops runs still going.
+
+Every run keeps the recipe's optimizer, batch and evaluation, and the learning rate unless its name
+says otherwise: nothing is tuned per method.
 
 ``--config configs/world_i2v_cpu.yaml`` runs the same on the image-to-video world (its reward
 ``world_i2v``; ``make world-i2v-model`` first). The curves are of the weighted reward of the
@@ -63,18 +69,61 @@ RUNS.update(
     }
 )
 RUNS.update({f"cfg-{name}": [*RUNS[name], *_CFG] for name in ("guard-dp4", "cps-dp4", "dp4-1step")})
+# recipe search (issue 31): CFG-mode candidates and shared-setting changes, at dp4's global batch
+_LR1E4 = ["--train.learning-rate", "1e-4"]
+_CFG_ROLL = ["--rollout.guidance-scale", "4.0"]  # CFG rollouts and evaluation; NFT trains CFG-free
+RUNS.update(
+    {
+        "guard-dp4-negated": [*RUNS["guard-dp4"], *_NEGATED],
+        "cps-dp4-negated": [*RUNS["cps-dp4"], *_NEGATED],
+        "kl-dp4": [*_DP4, "--grpo.kl-beta", "1e-3"],  # CFG-free with a KL to the initial policy
+        "cfg-clip4-dp4": [*RUNS["cfg-dp4"], "--grpo.clip-range", "4e-4"],  # clip scaled to guidance 4
+        "nft-cfgroll-dp4": [*RUNS["nft-dp4"], *_CFG_ROLL],  # CFG rollouts, CFG-free training
+        "nft-cfgroll-dp4-negated": [*RUNS["nft-dp4"], *_CFG_ROLL, *_NEGATED],
+    }
+)
+RUNS.update({f"{name}-lr1e-4": [*RUNS[name], *_LR1E4] for name in list(RUNS)})
+RUNS.update(
+    {
+        f"{name}-lr3e-4": [*RUNS[name], "--train.learning-rate", "3e-4"]
+        for name in ("nft-dp4", "nft-cfgroll-dp4")
+    }
+)
 DEFAULT_RUNS = ["dp4", "dp2xsp2", "dp4-negated"]
+# The GPU path (``--gpu``): one process per run on one CUDA device, bf16, compiled blocks, not in
+# deterministic mode (as a user runs it), micro-batches of 16; dp4's 2 prompt groups per rank become 8,
+# the same global batch. Runs launched together share the device.
+_GPU = ["--model.dtype", "bfloat16", "--train.micro-batch-size", "16"]
+
+
+def gpu_flags(flags: list[str]) -> list[str]:
+    """A run's flags for the GPU path: dp4's prompt groups all on the one rank, bf16."""
+    if "--sequence-parallel-size" in flags:
+        raise SystemExit("--gpu runs one process per run: choose the dp4 runs")
+    out = list(flags)
+    i = out.index("--data.prompts-per-rank")
+    out[i + 1] = str(int(out[i + 1]) * 4)
+    return [*out, *_GPU]
 
 
 def command(
-    out: Path, name: str, flags: list[str], num_rollouts: int, extra: list[str], config: str = DEFAULT_CONFIG
+    out: Path,
+    name: str,
+    flags: list[str],
+    num_rollouts: int,
+    extra: list[str],
+    config: str = DEFAULT_CONFIG,
+    gpu: bool = False,
 ) -> list[str]:
-    """One 4-process torchrun launch of the world recipe ``config``."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
+    """One torchrun launch of the world recipe ``config``: 4 CPU processes in deterministic mode,
+    or (``gpu``) one process on the GPU."""
+    procs = "1" if gpu else "4"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", procs]
     cmd += ["train_grpo.py", "--config", config, "--run.output-dir", str(out)]
-    cmd += ["--run.name", name, "--run.no-progress", "--deterministic-mode", "--train.no-export"]
+    cmd += ["--run.name", name, "--run.no-progress", "--train.no-export"]
+    cmd += [] if gpu else ["--deterministic-mode"]
     cmd += ["--train.no-resume", "--train.overwrite", "--train.num-rollouts", str(num_rollouts)]
-    return [*cmd, *flags, *extra]
+    return [*cmd, *(gpu_flags(flags) if gpu else flags), *extra]
 
 
 def launch_all(
@@ -84,26 +133,38 @@ def launch_all(
     extra: list[str],
     parallel: bool,
     config: str = DEFAULT_CONFIG,
+    gpu: bool = False,
+    time_limit: float | None = None,
 ) -> dict[str, float]:
     """Run the launches one after another, or all at once (on a machine with cores to spare);
-    returns each one's wall time in seconds."""
+    returns each one's wall time in seconds. ``time_limit``: stop every run still going after that
+    many seconds (its logged steps and evaluations are kept)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
+    if gpu:
+        env["OMP_NUM_THREADS"] = "2"
+    start = time.monotonic()
     walls, procs = {}, {}
     for name in names:
         log = open(out / f"{name}.log", "w")
         t0 = time.monotonic()
-        cmd = command(out, name, RUNS[name], num_rollouts, extra, config)
+        cmd = command(out, name, RUNS[name], num_rollouts, extra, config, gpu)
         procs[name] = (subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), t0)
         if not parallel:
             procs[name][0].wait()
             walls[name] = time.monotonic() - t0
+    stopped = set()
     while len(walls) < len(procs):  # each run's own wall time, also when they run at once
         for name, (proc, t0) in procs.items():
             if name not in walls and proc.poll() is not None:
                 walls[name] = time.monotonic() - t0
+            elif name not in walls and time_limit and time.monotonic() - start > time_limit:
+                proc.terminate()
+                stopped.add(name)
         time.sleep(0.5)
     for name, (proc, _) in procs.items():
-        if proc.returncode != 0:
+        if proc.returncode != 0 and name in stopped:
+            print(f"run {name} stopped at the time limit; its logged rows are kept")
+        elif proc.returncode != 0:
             raise SystemExit(f"run {name} failed (rc {proc.returncode}); see {out / (name + '.log')}")
     return walls
 
@@ -115,7 +176,11 @@ def read_run(run_dir: Path, wall_s: float) -> dict:
     t0 = evals[0]["time"] - evals[0]["time/eval_s"]
     return {
         "wall_s": wall_s,
-        "train": [{"step": r["step"], "reward": r["reward/mean"]} for r in rows if "reward/mean" in r],
+        "train": [
+            {"step": r["step"], "reward": r["reward/mean"], "time_s": r["time"] - t0}
+            for r in rows
+            if "reward/mean" in r
+        ],
         "eval": [
             {
                 "step": e["step"],
@@ -149,7 +214,7 @@ def plot(results: dict, path: Path) -> None:
         axes,
         [
             ("optimizer step", "held-out adherence"),
-            ("wall time (s, 4 CPU processes)", "held-out adherence"),
+            ("wall time (s, from setup end)", "held-out adherence"),
             ("optimizer step", "training reward (rollout mean)"),
         ],
     ):
@@ -166,8 +231,9 @@ def table(results: dict, target: float) -> str:
     """One row per run; times are to the end of the final evaluation, from the end of the
     launch's setup (so runs that shared a machine compare by their own progress)."""
     lines = [
-        "| run | baseline held-out | final held-out | error 1 − adherence | best held-out | steps | time |",
-        "|---|---|---|---|---|---|---|",
+        "| run | baseline held-out | final held-out | error 1 − adherence | best held-out | steps | time "
+        "| training reward, first → last 5 rollouts |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name, res in results.items():
         ev = res["eval"]
@@ -175,7 +241,7 @@ def table(results: dict, target: float) -> str:
         ratio = (1 - final) / max(1 - base, 1e-9)
         lines.append(
             f"| {name} | {base:.3f} | {final:.3f} | {1 - base:.3f} → {1 - final:.3f} (×{ratio:.2f}) | "
-            f"{best:.3f} | {ev[-1]['step']} | {ev[-1]['time_s']:.0f} s |"
+            f"{best:.3f} | {ev[-1]['step']} | {ev[-1]['time_s']:.0f} s | {train_change(res['train'])} |"
         )
     lines.append("")
     lines.append(
@@ -186,6 +252,17 @@ def table(results: dict, target: float) -> str:
             lines.append("")
             lines.append(nft_vs_grpo(grpo, results[grpo], results["nft-dp4"]))
     return "\n".join(lines)
+
+
+def train_change(train: list[dict], n: int = 5) -> str:
+    """Mean training reward of the first and the last ``n`` rollouts (one row per rollout)."""
+    by_rollout = {}
+    for t in train:  # a rollout's steps log the same reward: keep its first
+        by_rollout.setdefault(round(t["reward"], 12), t["reward"])
+    rewards = list(by_rollout.values())
+    if len(rewards) < 2 * n:
+        return "—"
+    return f"{sum(rewards[:n]) / n:.3f} → {sum(rewards[-n:]) / n:.3f}"
 
 
 def nft_vs_grpo(name: str, grpo: dict, nft: dict) -> str:
@@ -213,10 +290,21 @@ def main() -> None:
     p.add_argument("--runs", nargs="+", default=DEFAULT_RUNS, choices=list(RUNS))
     p.add_argument("--target", type=float, default=0.5, help="final held-out error / baseline error")
     p.add_argument("--parallel", action="store_true", help="run the launches at once (needs >= 12 cores)")
+    p.add_argument("--gpu", action="store_true", help="one process per run on the GPU, bf16 (see _GPU)")
+    p.add_argument("--time-limit", type=float, default=None, help="stop runs still going after this many s")
     p.add_argument("extra", nargs="*", help="further train_grpo.py flags (after --)")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    walls = launch_all(args.out, args.runs, args.num_rollouts, args.extra, args.parallel, args.config)
+    walls = launch_all(
+        args.out,
+        args.runs,
+        args.num_rollouts,
+        args.extra,
+        args.parallel,
+        args.config,
+        args.gpu,
+        args.time_limit,
+    )
     results = {}
     for name in args.runs:
         results[name] = read_run(args.out / name, walls[name])

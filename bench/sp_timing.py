@@ -60,10 +60,9 @@ def build(model: str, sp: int, ulysses: int, device, compile_blocks: bool, check
 
     from bench.real_configs import model_spec
     from miles.parallel.checkpointing import checkpoint_modes
-    from miles.parallel.fsdp import apply_fsdp
     from miles.parallel.topology import ParallelDims, build_parallel_mesh, resolve_ulysses_degree
-    from miles.sequence_parallel import apply_sequence_parallel, sequence_parallel_plan
-    from miles.train.trainer import default_attention_backend
+    from miles.train.parallelize import parallelize_expert
+    from miles.train.plan import default_attention_backend
 
     config = model_spec(model)["transformer"]
     torch.manual_seed(0)
@@ -76,13 +75,10 @@ def build(model: str, sp: int, ulysses: int, device, compile_blocks: bool, check
         ulysses_degree=resolve_ulysses_degree(sp, ulysses, heads),
     )
     mesh = build_parallel_mesh(dims, device.type)
-    backend = default_attention_backend(device)
-    if backend is not None:
-        transformer.set_attention_backend(backend)
-    apply_sequence_parallel(transformer, mesh, plan=sequence_parallel_plan(transformer) if sp > 1 else None)
-    apply_fsdp(
+    parallelize_expert(
         transformer,
-        mesh.fsdp_mesh,
+        mesh,
+        attention_backend=default_attention_backend(device),
         param_dtype=torch.bfloat16 if device.type == "cuda" else None,
         checkpoint_modes=checkpoint_modes(checkpointing, len(transformer.blocks)),
         compile_blocks=compile_blocks,

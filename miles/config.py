@@ -78,7 +78,7 @@ class ModelConfig:
     """With ``activation_checkpointing: budget``: the per-rank TOTAL GPU memory the run promises to
     stay within, in every phase. Everything resident (weights, gradients, optimizer, EMA, old policy,
     KL reference, text encoder if not offloaded, VAE, the rollout's gathered expert and decode) and a
-    5% allocator slack are subtracted (``miles/parallel/memory_budget.py``); activations get the rest.
+    5% allocator slack are subtracted (``miles/train/memory_budget.py``); activations get the rest.
     A budget the rollout alone cannot meet is refused at startup."""
     compile: Literal["auto", "on", "off"] = "auto"
     """``torch.compile`` each transformer block (fuses Wan's fp32 norm/modulation/RoPE kernels; the

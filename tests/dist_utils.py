@@ -15,8 +15,9 @@ rank are re-raised in the parent with that rank's traceback.
 world size), so that a test pays the ~10-30 s start-up of its processes (Python, torch, diffusers,
 gloo) once per session instead of once per call. A pooled body must leave the process as it found
 it: restore what it patches (module attributes, environment variables) and keep the default process
-group. After each body the ranks restore the deterministic-algorithms flag, the default dtype, grad
-mode and Dynamo's caches. A failure on any rank retires the set (a fresh one serves the next call).
+group. After each body the ranks restore the deterministic-algorithms flags (torch's and
+Inductor's), the default dtype, grad mode and Dynamo's caches. A failure on any rank retires the
+set (a fresh one serves the next call).
 Bodies that replace the default process group use ``run_distributed``.
 
 Also the launch helpers' rule for torchrun launches (tests/e2e): a failed launch is retried only
@@ -133,9 +134,22 @@ POOL_CALL_TIMEOUT_S = 1500.0  # one body on a loaded 2-core machine; a hang fail
 POOL_FAILURE_GRACE_S = 30.0  # after one rank failed, how long the others may take to report
 
 
-def _reset_process_state(deterministic: bool, dtype: torch.dtype, seed: int) -> None:
+def _process_state() -> tuple:
+    from torch._inductor import config as inductor_config
+
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    inductor_deterministic = getattr(inductor_config, "deterministic", None)
+    return deterministic, inductor_deterministic, torch.get_default_dtype(), torch.initial_seed()
+
+
+def _reset_process_state(deterministic: bool, inductor_deterministic, dtype: torch.dtype, seed: int) -> None:
+    """Put back what a body may switch: a Trainer's deterministic mode (torch's and Inductor's flag)."""
+    from torch._inductor import config as inductor_config
+
     torch.manual_seed(seed)  # the generator as a fresh process has it
     torch.use_deterministic_algorithms(deterministic)
+    if inductor_deterministic is not None:
+        inductor_config.deterministic = inductor_deterministic
     torch.set_default_dtype(dtype)
     torch.set_grad_enabled(True)
     torch._dynamo.reset()
@@ -151,7 +165,7 @@ def _pool_worker(rank, world_size, port, tasks, results):
     )
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    state = torch.are_deterministic_algorithms_enabled(), torch.get_default_dtype(), torch.initial_seed()
+    state = _process_state()
     while (task := tasks.get()) is not None:
         fn, args, kwargs, env = task
         os.environ.update(env)

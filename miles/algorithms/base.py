@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from miles.rollout.batch import MicroBatch, RolloutBatch
+
 
 @dataclass
 class Policy:
@@ -59,16 +61,18 @@ class Algorithm(abc.ABC):
         every rank (drawn from ``generator``); [] records none (ODE rollouts)."""
 
     @abc.abstractmethod
-    def accumulate(self, policy: Policy, batch: dict, chunks: list[dict]) -> dict[str, float]:
+    def accumulate(
+        self, policy: Policy, batch: RolloutBatch, chunks: list[MicroBatch], step_in_rollout: int = 0
+    ) -> dict[str, float]:
         """Backpropagate the loss of one optimizer step over ``chunks`` (its micro-batches of the
-        rollout ``batch``; ``batch["step_in_rollout"]`` is the step's index in the rollout) into
+        rollout ``batch``; ``step_in_rollout`` is the step's index in the rollout) into
         the gradients. Every rank must run the same experts in the same order (FSDP's collectives
         pair up by call order), so anything that routes a pass is drawn alike on every rank.
         Return the step's metrics (sample-weighted means), with ``loss`` among them and
         ``log_prob_mean_abs_diff`` where the algorithm has one."""
 
     @abc.abstractmethod
-    def forwards_per_sample(self, batch: dict) -> int:
+    def forwards_per_sample(self, batch: RolloutBatch) -> int:
         """Transformer forwards (in samples, CFG counted twice) that training runs per sample of
         ``batch``, with and without gradient: the throughput metric's numerator."""
 

@@ -32,6 +32,7 @@ from torch import Tensor
 
 from miles.algorithms import register_algorithm
 from miles.algorithms.base import Algorithm, Policy
+from miles.rollout.batch import MicroBatch, RolloutBatch
 from miles.rollout.condition import generated
 from miles.rollout.sampler import NUM_TRAIN_TIMESTEPS, flow_sigmas, predict_velocity
 
@@ -85,7 +86,7 @@ class DiffusionNFT(Algorithm):
     def sde_steps(self, num_steps: int, generator: torch.Generator) -> list[int]:
         return []  # ODE rollouts: nothing but the clean samples is recorded
 
-    def forwards_per_sample(self, batch: dict) -> int:
+    def forwards_per_sample(self, batch: RolloutBatch) -> int:
         return self.num_levels * (3 if self.nft.kl_beta > 0 else 2)
 
     def after_rollout(self, policy: Policy, step: int) -> dict[str, float]:
@@ -94,27 +95,27 @@ class DiffusionNFT(Algorithm):
         policy.old.soft_update(decay)
         return {"old_decay": decay}
 
-    def _velocity(self, transformers, policy: Policy, x: Tensor, sigma: Tensor, chunk: dict) -> Tensor:
+    def _velocity(self, transformers, policy: Policy, x: Tensor, sigma: Tensor, chunk: MicroBatch) -> Tensor:
         return predict_velocity(
             transformers,
             x,
             sigma * NUM_TRAIN_TIMESTEPS,
-            chunk["pos"],
+            chunk.pos,
             None,  # CFG-free: the conditional velocity is the policy
             policy.guidance_scales,
             policy.boundary_ratio,
             policy.expand_timesteps,
-            chunk.get("condition"),
+            chunk.condition,
         )
 
-    def _draws(self, policy: Policy, batch: dict, chunk: dict, x0: Tensor) -> tuple[Tensor, list[Tensor]]:
+    def _draws(
+        self, policy: Policy, batch: RolloutBatch, chunk: MicroBatch, x0: Tensor, step_in_rollout: int = 0
+    ) -> tuple[Tensor, list[Tensor]]:
         """The step's noise levels (the same on every rank) and, per level, the micro-batch's
         forward-process noise (fp32)."""
-        ids = batch["sample_ids"][chunk["slice"]].tolist()
-        rollout = batch["rollout_index"]
-        pick = torch.randperm(
-            len(self.sigmas), generator=policy.generator(5, rollout, batch["step_in_rollout"])
-        )
+        ids = batch.sample_ids[chunk.slice].tolist()
+        rollout = batch.rollout_index
+        pick = torch.randperm(len(self.sigmas), generator=policy.generator(5, rollout, step_in_rollout))
         gens = [policy.generator(6, rollout, i) for i in ids]
         noise = [
             torch.stack([torch.randn(x0.shape[1:], generator=g) for g in gens]).to(x0.device)
@@ -122,29 +123,31 @@ class DiffusionNFT(Algorithm):
         ]
         return self.sigmas[pick[: self.num_levels]].to(x0.device), noise
 
-    def accumulate(self, policy: Policy, batch: dict, chunks: list[dict]) -> dict[str, float]:
+    def accumulate(
+        self, policy: Policy, batch: RolloutBatch, chunks: list[MicroBatch], step_in_rollout: int = 0
+    ) -> dict[str, float]:
         n, a_max = self.nft, self.grpo.adv_clip_max
-        samples = sum(c["rollout"].final_latents.shape[0] for c in chunks)
+        samples = sum(c.rollout.final_latents.shape[0] for c in chunks)
         sums = dict.fromkeys(_METRICS, 0.0)
         for chunk in chunks:
-            x0 = chunk["rollout"].final_latents.float()
-            r = optimality(batch["advantages"][chunk["slice"]], a_max).to(x0.device)
+            x0 = chunk.rollout.final_latents.float()
+            r = optimality(batch.advantages[chunk.slice], a_max).to(x0.device)
             weight = x0.shape[0] / (samples * self.num_levels)
-            sigmas, noises = self._draws(policy, batch, chunk, x0)
+            sigmas, noises = self._draws(policy, batch, chunk, x0, step_in_rollout)
             for sigma, noise in zip(sigmas, noises):
                 x_t = (1.0 - sigma) * x0 + sigma * noise
                 with torch.no_grad():
                     v_old = self._velocity(policy.old.transformers, policy, x_t, sigma, chunk)
                 v = self._velocity(policy.transformers, policy, x_t, sigma, chunk)
                 # a first-frame image condition's frame is clean: no loss on it
-                trained = generated(chunk.get("condition"), v, v_old, x_t, x0)
+                trained = generated(chunk.condition, v, v_old, x_t, x0)
                 per_sample, pos, neg = nft_loss(*trained, sigma, r, n.beta)
                 policy_loss = a_max * per_sample.mean()
                 kl = torch.zeros((), device=x0.device)
                 if n.kl_beta > 0:
                     with torch.no_grad(), policy.reference() as reference:
                         v_ref = self._velocity(reference, policy, x_t, sigma, chunk)
-                    v_gen, v_ref = generated(chunk.get("condition"), v, v_ref)
+                    v_gen, v_ref = generated(chunk.condition, v, v_ref)
                     kl = ((v_gen.float() - v_ref.float()) ** 2).mean()
                 loss = policy_loss + n.kl_beta * kl
                 (loss * weight).backward()

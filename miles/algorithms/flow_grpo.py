@@ -26,6 +26,7 @@ import torch
 from miles.algorithms import register_algorithm
 from miles.algorithms.base import Algorithm, Policy
 from miles.grpo.losses import grpo_policy_loss
+from miles.rollout.batch import MicroBatch, RolloutBatch
 from miles.rollout.sampler import compute_log_prob, sde_step_indices
 from miles.rollout.sde import sde_std_dev
 
@@ -51,9 +52,9 @@ class FlowGRPO(Algorithm):
             generator=generator,
         )
 
-    def forwards_per_sample(self, batch: dict) -> int:
+    def forwards_per_sample(self, batch: RolloutBatch) -> int:
         cfg = 2 if self.grpo.train_cfg and self.rollout.guidance_scale > 1 else 1
-        return len(batch["sde_steps"]) * cfg * (2 if self.grpo.kl_beta > 0 else 1)
+        return len(batch.sde_steps) * cfg * (2 if self.grpo.kl_beta > 0 else 1)
 
     def _step_weight(self, ro, k: int) -> float:
         """``grpo.step_loss_weight``: 1, or flow_grpo's Wan weight σ_t/√|dt| of SDE step k, with σ_t
@@ -67,34 +68,36 @@ class FlowGRPO(Algorithm):
             sigma_t = sde_std_dev(sigma, sigma_next, a)
         return float(sigma_t / torch.sqrt(sigma - sigma_next))
 
-    def _log_prob(self, transformers, policy: Policy, ro, k: int, chunk: dict):
+    def _log_prob(self, transformers, policy: Policy, ro, k: int, chunk: MicroBatch):
         return compute_log_prob(
             transformers,
             ro,
             k,
-            prompt_embeds=chunk["pos"],
-            negative_embeds=chunk["neg"] if self.grpo.train_cfg else None,
+            prompt_embeds=chunk.pos,
+            negative_embeds=chunk.neg if self.grpo.train_cfg else None,
             guidance_scales=policy.guidance_scales,
             boundary_ratio=policy.boundary_ratio,
             noise_level=self.rollout.noise_level,
             expand_timesteps=policy.expand_timesteps,
             sde_type=self.rollout.sde_type,
-            condition=chunk.get("condition"),
+            condition=chunk.condition,
         )
 
     @torch.no_grad()
-    def _reference_mean(self, policy: Policy, ro, k: int, chunk: dict) -> torch.Tensor:
+    def _reference_mean(self, policy: Policy, ro, k: int, chunk: MicroBatch) -> torch.Tensor:
         with policy.reference() as transformers:
             return self._log_prob(transformers, policy, ro, k, chunk)[1]
 
-    def accumulate(self, policy: Policy, batch: dict, chunks: list[dict]) -> dict[str, float]:
-        num_k = chunks[0]["rollout"].log_probs.shape[1]
-        samples = sum(c["rollout"].log_probs.shape[0] for c in chunks)
+    def accumulate(
+        self, policy: Policy, batch: RolloutBatch, chunks: list[MicroBatch], step_in_rollout: int = 0
+    ) -> dict[str, float]:
+        num_k = chunks[0].rollout.log_probs.shape[1]
+        samples = sum(c.rollout.log_probs.shape[0] for c in chunks)
         sums = dict.fromkeys(_METRICS, 0.0)
         canary = 0.0
         for chunk in chunks:
-            ro = chunk["rollout"]
-            adv = batch["advantages"][chunk["slice"]]
+            ro = chunk.rollout
+            adv = batch.advantages[chunk.slice]
             weight = ro.log_probs.shape[0] / (samples * num_k)
             for k in range(num_k):
                 log_prob, mean, std = self._log_prob(policy.transformers, policy, ro, k, chunk)

@@ -33,23 +33,15 @@ def load_checkpoint_weights(model, checkpoint: Path, model_cfg: ModelConfig) -> 
     import torch.distributed.checkpoint as dcp
     from torch import nn
 
-    from miles.train.fingerprint import model_fingerprint
-    from miles.train.resume import check_base_model
+    from miles.models.fingerprint import check_base_model, model_fingerprint
 
     if not (checkpoint / "COMPLETE").is_file():
         raise ValueError(f"{checkpoint} is not a complete checkpoint (no COMPLETE marker)")
     if model_cfg.lora_rank > 0:
-        from peft import LoraConfig
+        from miles.models.lora import lora_config
 
         for t in model.transformers:
-            t.add_adapter(
-                LoraConfig(
-                    r=model_cfg.lora_rank,
-                    lora_alpha=model_cfg.lora_alpha,
-                    init_lora_weights="gaussian",
-                    target_modules=model_cfg.lora_target_modules,
-                )
-            )
+            t.add_adapter(lora_config(model_cfg))
     experts = nn.ModuleList(model.transformers)
     # Lean checkpoints hold the trained parameters only (LoRA: the adapters); the rest is the
     # model folder's, which must be the one the checkpoint was trained from.

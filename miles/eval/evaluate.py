@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from miles.rollout.condition import conditions_of
+from miles.rollout.guidance import guidance_scales
 from miles.rollout.sampler import begin_sampling, expert_phases, predict_velocity, sample_with_logprob
 
 _EVAL_STREAM = 4
@@ -51,12 +52,11 @@ class EvalSettings:
 def eval_settings(cfg, model) -> EvalSettings:
     """The evaluation settings of a run config (``miles.config.Config``) for a loaded ``WanModel``."""
     r = cfg.rollout
-    g2 = r.guidance_scale if r.guidance_scale_2 is None else r.guidance_scale_2
     return EvalSettings(
         latent_shape=model.latent_shape(r.num_frames, r.height, r.width),
         num_steps=cfg.eval.num_steps or r.num_steps,
         shift=r.shift,
-        guidance_scales=[r.guidance_scale, g2][: len(model.transformers)],
+        guidance_scales=guidance_scales(r, len(model.transformers)),
         boundary_ratio=model.boundary_ratio,
         expand_timesteps=model.expand_timesteps,
         micro_batch_size=cfg.train.micro_batch_size,
@@ -267,7 +267,7 @@ def write_eval(result: dict, out_dir, tag: str) -> dict:
     import json
     from pathlib import Path
 
-    from miles.train.videos import to_uint8, write_video
+    from miles.eval.videos import to_uint8, write_video
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -90,14 +90,3 @@ def check_i2v_run(path: Path, index: dict, mode: str | None, max_sequence_length
             f"{path}: the transformer takes CLIP image embeddings (image_dim {config['image_dim']}) but the "
             "folder has no image_encoder: use the complete Wan2.1-I2V -Diffusers folder"
         )
-
-
-def run_condition_mode(model_cfg, max_sequence_length: int) -> str | None:
-    """The condition mode of a run's model (``ModelConfig``), its folder and settings checked."""
-    from miles.models.wan import check_wan_folder, resolve_model_path
-
-    path = resolve_model_path(model_cfg)
-    index = check_wan_folder(path)
-    mode = condition_mode(path, index, model_cfg.task)
-    check_i2v_run(path, index, mode, max_sequence_length)
-    return mode

@@ -52,11 +52,11 @@ def build_i2v_pipeline(variant: str):
     are the T2V tiny model's)."""
     from diffusers import WanImageToVideoPipeline, WanPipeline, WanTransformer3DModel
 
-    from miles.models import tiny
+    from miles.models import tiny_t2v as tiny
 
     if variant not in I2V_VARIANTS:
         raise ValueError(f"unknown tiny I2V variant {variant!r}; choose one of {I2V_VARIANTS}")
-    base = tiny.build_pipeline("single_expert")
+    base = tiny.build_t2v_pipeline("single_expert")
     z = tiny.TINY_VAE["z_dim"]
     temporal = base.vae.config.scale_factor_temporal
     if variant == "ti2v":

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from miles.config import ModelConfig
+from miles.models.i2v import check_i2v_run, condition_mode, text_pipeline
 from miles.models.tiny import tiny_model_path
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -119,7 +119,9 @@ def text_encoder_dtype(name: str, device_type: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def resolve_model_path(cfg: ModelConfig) -> Path:
+def resolve_model_path(cfg) -> Path:
+    """The model folder of ``cfg`` (the run's ``ModelConfig``, read by field: ``models/`` does not
+    import the config): ``model.path``, or the embedded tiny model's folder, built on demand."""
     if cfg.path is None:
         return tiny_model_path(cfg.tiny_model_dir, cfg.tiny_variant)
     return Path(cfg.path).expanduser()
@@ -162,8 +164,9 @@ def transformer_config(path: Path) -> dict:
     return json.loads(file.read_text())
 
 
-def load_wan(cfg: ModelConfig, device: torch.device, experts: str = "load", seed: int = 0) -> WanModel:
-    """Load the pipeline from a local folder (hub never contacted), move it to ``device``.
+def load_wan(cfg, device: torch.device, experts: str = "load", seed: int = 0) -> WanModel:
+    """Load the pipeline of ``cfg`` (the run's ``ModelConfig``) from a local folder (hub never
+    contacted), move it to ``device``.
 
     ``experts``: ``load`` loads the transformer(s) whole in fp32 and moves them to ``device``;
     ``skeleton`` builds them on the meta device from their config.json (the trainer shards them,
@@ -174,7 +177,6 @@ def load_wan(cfg: ModelConfig, device: torch.device, experts: str = "load", seed
     unless ``experts`` is ``load``, then with :class:`RandomInit`'s weights for ``seed`` on ``device``)."""
     from diffusers import WanImageToVideoPipeline, WanPipeline
 
-    from miles.models.i2v import condition_mode, text_pipeline
     from miles.models.sharded_load import RandomInit, build_skeleton, materialize
 
     if experts not in ("load", "skeleton"):
@@ -332,3 +334,13 @@ def calibrate_block_memory(
     finally:
         del block
         torch.cuda.empty_cache()
+
+
+def run_condition_mode(model_cfg, max_sequence_length: int) -> str | None:
+    """The condition mode of a run's model (``ModelConfig``), its folder and settings checked."""
+
+    path = resolve_model_path(model_cfg)
+    index = check_wan_folder(path)
+    mode = condition_mode(path, index, model_cfg.task)
+    check_i2v_run(path, index, mode, max_sequence_length)
+    return mode

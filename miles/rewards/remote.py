@@ -6,8 +6,11 @@
 
 A reward model that wants its own GPU, environment or process (a big CLIP, a VLM) runs once in
 the server and every trainer rank sends it its decoded videos. The constructor checks the
-server's ``/health`` and that it hosts the requested rewards, so a missing server is refused
-before the first rollout.
+server's ``/health`` and that it hosts the requested rewards (:func:`check_reward_server`, also
+its ``check_resources``, which the dry run and the trainer call before any weights load), so a
+missing server, a wrong token or an unhosted reward is refused before the first rollout. A
+server started with a token (``$MILES_REWARD_TOKEN``) gets it as ``Authorization: Bearer``
+from ``remote_token`` or that variable.
 
 Wire format (version 1; docs/rewards.md has the details):
 
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import threading
 import time
 import uuid
@@ -49,6 +53,8 @@ from miles.rewards.base import Reward, check_num_frames, check_videos, frames_to
 from miles.rewards.registry import register_reward
 
 WIRE_VERSION = 1
+TOKEN_ENV = "MILES_REWARD_TOKEN"
+"""The environment variable holding the reward server's shared token (server and trainer ranks)."""
 RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
 """HTTP statuses worth retrying: overload and server-side failures (a 4xx is the request's fault)."""
 _CONNECT_TIMEOUT_S = 10.0
@@ -241,6 +247,58 @@ def _resolve_weights(
     return {name: float(w) for name, w in weights.items()}
 
 
+def auth_headers(token: str | None = None) -> dict[str, str]:
+    """``Authorization: Bearer`` for ``token``, else ``$MILES_REWARD_TOKEN``; none when neither is set."""
+    token = token or os.environ.get(TOKEN_ENV)
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+def _health(http: HttpClient, url: str) -> list[str]:
+    """The rewards the server at ``url`` hosts, from ``GET /health``; ValueError naming the fix."""
+    start = "python -m miles.rewards.serve --rewards NAME[,NAME...] --port PORT"
+    try:
+        response = http.request("GET", url + "/health", timeout_s=min(http.timeout_s, _CONNECT_TIMEOUT_S))
+        body = response.json()
+        hosted = body["rewards"]
+        if body.get("version") != WIRE_VERSION or not all(isinstance(n, str) for n in hosted):
+            raise ValueError(f"unexpected /health answer {body!r}")
+    except (RemoteRewardError, ValueError, KeyError, TypeError) as e:
+        if isinstance(e, RemoteRewardError) and ("HTTP 401" in str(e) or "HTTP 403" in str(e)):
+            raise ValueError(
+                f"the reward server at {url} refused this client's token ({e}); set ${TOKEN_ENV} "
+                "(or reward remote_token) to the token the server was started with"
+            ) from e
+        raise ValueError(
+            f"no miles reward server (wire version {WIRE_VERSION}) answers at {url}/health ({e}). "
+            f"Start one before training: {start}, and set reward.remote_url to its address."
+        ) from e
+    return list(hosted)
+
+
+def check_reward_server(
+    url: str | None,
+    rewards: Mapping[str, float] | Sequence[str] | str | None = None,
+    token: str | None = None,
+    timeout_s: float = 300.0,
+    retries: int = 3,
+    backoff_s: float = 0.5,
+) -> list[str]:
+    """Check that a reward server answers at ``url`` (with ``token``) and hosts ``rewards``; returns
+    what it hosts. ValueError naming the fix otherwise: call it before any weights load."""
+    url = check_http_options("remote", url, timeout_s, retries, backoff_s)
+    http = HttpClient(
+        requests.Session(),
+        timeout_s=timeout_s,
+        retries=retries,
+        backoff_s=backoff_s,
+        counters=("num_retries",),
+    )
+    http.session.headers.update(auth_headers(token))
+    hosted = _health(http, url)
+    _resolve_weights(rewards, hosted, url)
+    return hosted
+
+
 @register_reward("remote")
 class RemoteReward(Reward):
     """The weighted sum of rewards computed by a reward server, sent uint8 frames over HTTP."""
@@ -256,6 +314,7 @@ class RemoteReward(Reward):
         remote_backoff_s: float = 0.5,
         remote_batch_size: int | None = None,
         remote_num_frames: int | None = None,
+        remote_token: str | None = None,
     ) -> None:
         self.url = check_http_options(
             "remote", remote_url, remote_timeout_s, remote_retries, remote_backoff_s
@@ -277,27 +336,26 @@ class RemoteReward(Reward):
             backoff_s=remote_backoff_s,
             counters=("num_requests", "num_retries", "num_samples"),
         )
+        self.http.session.headers.update(auth_headers(remote_token))
         self.last_scores: dict[str, torch.Tensor] = {}
         """The unweighted score of each remote reward in the last call, (B,) float32 on the videos' device."""
-        self.hosted = self._check_health()
+        self.hosted = _health(self.http, self.url)
         self.weights = _resolve_weights(remote_rewards, self.hosted, self.url)
 
-    def _check_health(self) -> list[str]:
-        start = "python -m miles.rewards.serve --rewards NAME[,NAME...] --port PORT"
-        try:
-            response = self.http.request(
-                "GET", self.url + "/health", timeout_s=min(self.http.timeout_s, _CONNECT_TIMEOUT_S)
-            )
-            body = response.json()
-            hosted = body["rewards"]
-            if body.get("version") != WIRE_VERSION or not all(isinstance(n, str) for n in hosted):
-                raise ValueError(f"unexpected /health answer {body!r}")
-        except (RemoteRewardError, ValueError, KeyError, TypeError) as e:
-            raise ValueError(
-                f"no miles reward server (wire version {WIRE_VERSION}) answers at {self.url}/health ({e}). "
-                f"Start one before training: {start}, and set reward.remote_url to its address."
-            ) from e
-        return list(hosted)
+    @staticmethod
+    def check_resources(
+        remote_url: str | None = None,
+        remote_rewards: Mapping[str, float] | Sequence[str] | str | None = None,
+        remote_timeout_s: float = 300.0,
+        remote_retries: int = 3,
+        remote_backoff_s: float = 0.5,
+        remote_token: str | None = None,
+        **_: object,
+    ) -> list[str]:
+        """The dry run's and trainer's check before any weights load: :func:`check_reward_server`."""
+        return check_reward_server(
+            remote_url, remote_rewards, remote_token, remote_timeout_s, remote_retries, remote_backoff_s
+        )
 
     def stats(self) -> dict[str, int]:
         """Counters since construction: ``num_requests``, ``num_retries``, ``num_samples`` (scored)."""

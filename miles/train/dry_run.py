@@ -15,11 +15,13 @@ files (readable, UTF-8, enough prompts for one rollout at this dp size), the rew
 weights and PickScore folders (without loading them); with the model folder's tokenizer it
 counts the prompts longer than ``data.max_sequence_length``. An invalid layout or input raises
 :class:`DryRunError` (a ``ConfigError``) with the fix; the entry point prints it and exits 2.
+All of it is the run plan (:func:`miles.train.plan.plan_run`), the very one the trainer runs:
+this module only prints it.
 
 World size: ``--world-size`` > ``$WORLD_SIZE`` > 1.
 
 Memory per rank (GiB; an ESTIMATE, not a measurement). Everything but the training activations
-comes from :class:`miles.parallel.memory_budget.ResidentMemory`, the terms the trainer fits its
+comes from :class:`miles.train.memory_budget.ResidentMemory`, the terms the trainer fits its
 budget with (its module docstring gives each formula): fp32 master weights (LoRA: the frozen base
 in the compute dtype), gradients, AdamW state, EMA, old policy, KL reference — each divided by the
 FSDP shard group size S (W, or W / replicate_size under HSDP) — the text encoder (only when not
@@ -58,325 +60,23 @@ workspaces and communication buffers — what the 5% slack is for.
 
 from __future__ import annotations
 
-import json
-import math
-import os
-from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
-import torch
-from torch import nn
-
-from miles.config import Config, ConfigError, check_reward_names, config_warnings
-from miles.data.prompts import (
-    TINY_PROMPTS,
-    GroupSampler,
-    check_prompt_images,
-    load_prompts,
-    truncation_warning,
-)
-from miles.models.wan import (
-    DTYPES,
-    WanModel,
-    check_wan_folder,
-    read_model_index,
-    resolve_model_path,
-)
-from miles.parallel.compile import resolve_compile
-from miles.parallel.memory_budget import (
-    ALLOCATOR_SLACK,
-    MemoryBudgetError,
-    ModelSizes,
-    ResidentMemory,
-    activation_budget,
-    count_sde_steps,
-    rollout_shape,
-    vae_fields,
-)
-from miles.parallel.memory_budget import cfg_factor as guidance_factor
-from miles.parallel.topology import ParallelDims, valid_ulysses_degrees
-from miles.parallel.topology_checks import check_ulysses_within_node, local_world_size_from_env
-from miles.train.resume import resume_checkpoint
-from miles.train.run_dir import check_run_dir
+from miles.data.prompts import TINY_PROMPTS, truncation_warning
+from miles.train.memory_budget import block_bytes_per_token as _block_bytes_per_token
+from miles.train.plan import PlanError, RunPlan, plan_run
 
 __all__ = ["DryRunError", "dry_run", "format_report"]
 
-GIB = 2**30
 _SHOW_GROUPS = 4  # groups printed per kind before "... (N groups)"
 _SHOW_RANKS = 8  # ranks printed per group before eliding
 
-
-class DryRunError(ConfigError):
-    """The run as configured would be refused at startup; the message names the fix."""
-
-
-# ---------------------------------------------------------------------------------------------
-# Reading the model folder (configs only)
-
-
-def _read_json(path: Path) -> dict:
-    return json.loads(path.read_text())
-
-
-def _diffusers_class(index: dict, component: str, default: str) -> type:
-    import diffusers
-
-    entry = index.get(component) or [None, None]
-    name = entry[1] if isinstance(entry, list) and len(entry) == 2 and entry[1] else default
-    cls = getattr(diffusers, name, None)
-    if cls is None:
-        raise DryRunError(f"model_index.json names {component} class {name!r}, which diffusers does not have")
-    return cls
-
-
-def _meta_from_config(cls: type, folder: Path) -> nn.Module:
-    """``cls`` built from ``folder/config.json`` on the meta device: exact shapes, no memory."""
-    config = cls.load_config(folder)
-    with torch.device("meta"):
-        return cls.from_config(config)
-
-
-def _meta_text_encoder(index: dict, folder: Path) -> nn.Module | None:
-    entry = index.get("text_encoder") or [None, None]
-    if not (folder / "config.json").is_file() or not isinstance(entry, list) or entry[0] != "transformers":
-        return None
-    import transformers
-
-    cls = getattr(transformers, entry[1], None)
-    if cls is None:
-        return None
-    config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
-    with torch.device("meta"):
-        return cls(config)
-
-
-def _load_meta_model(cfg: Config) -> tuple[WanModel, dict, list[str]]:
-    """A :class:`WanModel` whose transformers and VAE live on the meta device, plus extras and warnings."""
-    path = resolve_model_path(cfg.model)
-    try:
-        index = read_model_index(path)
-    except ValueError as e:
-        raise DryRunError(str(e)) from None
-    warnings = []
-    try:
-        check_wan_folder(path)
-    except ValueError as e:  # the dry run needs only configs; the real run needs every component
-        warnings.append(f"the real run will refuse this folder: {e}")
-    from miles.models.i2v import check_i2v_run, condition_mode
-
-    try:
-        mode = condition_mode(path, index, cfg.model.task)
-        check_i2v_run(path, index, mode, cfg.data.max_sequence_length)
-    except ValueError as e:
-        raise DryRunError(str(e)) from None
-    experts = []
-    for sub in ("transformer", "transformer_2"):
-        folder = path / sub
-        if sub == "transformer_2" and not (index.get(sub) or [None])[0]:
-            continue
-        if not (folder / "config.json").is_file():
-            raise DryRunError(
-                f"model.path {path} lacks {sub}/config.json (the dry run reads the transformer config)"
-            )
-        experts.append(_meta_from_config(_diffusers_class(index, sub, "WanTransformer3DModel"), folder))
-    if not (path / "vae" / "config.json").is_file():
-        raise DryRunError(
-            f"model.path {path} lacks vae/config.json (its scale factors give the latent shape)"
-        )
-    vae = _meta_from_config(_diffusers_class(index, "vae", "AutoencoderKLWan"), path / "vae")
-    try:
-        text_encoder = _meta_text_encoder(index, path / "text_encoder")
-    except Exception as e:  # optional: only its parameter count is reported
-        warnings.append(f"text encoder config unreadable ({e}); not counted")
-        text_encoder = None
-    model = WanModel(
-        path=path,
-        transformers=experts,
-        boundary_ratio=index.get("boundary_ratio") if len(experts) == 2 else None,
-        expand_timesteps=bool(index.get("expand_timesteps", False)),
-        pipeline=SimpleNamespace(vae=vae, text_encoder=text_encoder),
-        condition_mode=mode,
-    )
-    return model, index, warnings
-
-
-# ---------------------------------------------------------------------------------------------
-# The inputs the trainer refuses before it loads weights
-
-
-def _check_rewards(cfg: Config) -> None:
-    """What building the rewards refuses, without constructing one (PickScore would load CLIP-H)."""
-    check_reward_names(cfg)
-    for name, weight in cfg.reward.weights.items():
-        if not math.isfinite(weight):
-            raise DryRunError(f"reward.weights.{name} must be a finite number, got {weight}")
-    from miles.rewards.from_config import check_reward_config
-
-    check_reward_config(cfg.reward)  # shaping options and every reward's local weights, loading nothing
-
-
-def _check_image_rewards(cfg: Config, image_to_video: bool) -> None:
-    """The trainer's refusal of a reward that scores against the given first frame (``needs_images``)
-    in a text-to-video run."""
-    import miles.rewards  # noqa: F401 (registers the built-in rewards)
-    from miles.rewards.registry import _REGISTRY
-
-    needs = [n for n in cfg.reward.weights if getattr(_REGISTRY.get(n), "needs_images", False)]
-    if needs and not image_to_video:
-        raise ValueError(
-            f"reward.weights {sorted(cfg.reward.weights)}: a reward scores against each sample's given "
-            "first frame, but the model is text-to-video; use an image-to-video model (model.task i2v)"
-        )
-
-
-def _check_inputs(
-    cfg: Config, dp: int, model_path: Path, image_to_video: bool = False
-) -> tuple[str, list[str]]:
-    """The trainer's checks of run directory, prompt files and rewards; (a summary line, warnings).
-
-    Also counts the prompts the text encoder will truncate, when the model folder has its tokenizer
-    (a folder without one is already reported as one the real run refuses).
-    """
-    prompt_file = cfg.data.prompt_file or TINY_PROMPTS
-    run_dir = Path(cfg.run.output_dir) / cfg.run.name
-    try:
-        check_run_dir(run_dir, cfg.train.resume, cfg.train.overwrite)
-        if cfg.train.resume:  # the checkpoint it would resume: whole, and saved with this config
-            resume_checkpoint(run_dir, cfg)
-        prompts = load_prompts(prompt_file)
-        held_out = load_prompts(cfg.eval.prompt_file) if cfg.eval.prompt_file else []
-        check_prompt_images(prompts, prompt_file, image_to_video)
-        check_prompt_images(held_out, cfg.eval.prompt_file, image_to_video)
-        GroupSampler(len(prompts), cfg.data.prompts_per_rank, cfg.data.group_size, dp_rank=0, dp_size=dp)
-        _check_rewards(cfg)
-        _check_image_rewards(cfg, image_to_video)
-    except (ValueError, FileNotFoundError) as e:
-        raise DryRunError(str(e)) from None
-    warnings = config_warnings(cfg)
-    tokenizer_dir = model_path / "tokenizer"
-    if tokenizer_dir.is_dir():
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
-        for texts, source in ((prompts, prompt_file), (held_out, cfg.eval.prompt_file)):
-            if texts and (w := truncation_warning(texts, tokenizer, cfg.data.max_sequence_length, source)):
-                warnings.append(w)
-    summary = f"{len(prompts)} prompts from {prompt_file}" + (
-        f" ({len(held_out)} held out from {cfg.eval.prompt_file})" if held_out else ""
-    )
-    rewards = ", ".join(f"{name} {weight:g}" for name, weight in cfg.reward.weights.items())
-    return f"{summary}; rewards {rewards}; run dir {run_dir}", warnings
-
-
-# ---------------------------------------------------------------------------------------------
-# Counting
-
-
-def _numel(module: nn.Module | None) -> int:
-    return 0 if module is None else sum(p.numel() for p in module.parameters())
-
-
-def _lora_numel(model: nn.Module, rank: int, targets: list[str]) -> int:
-    """Adapter parameters peft adds: r·(in + out) per targeted Linear (peft's name-suffix matching)."""
-    total = 0
-    for name, module in model.named_modules():
-        if isinstance(module, nn.Linear) and any(name == t or name.endswith("." + t) for t in targets):
-            total += rank * (module.in_features + module.out_features)
-    return total
-
-
-def _sp_plan_rows(transformer: nn.Module) -> list[dict]:
-    from miles.sequence_parallel import GatherOutput, ShardInput, ShardOutput, sequence_parallel_plan
-
-    plan = sequence_parallel_plan(transformer)
-    rows = []
-    for module, specs in plan.boundaries.items():
-        for spec in specs:
-            if isinstance(spec, ShardInput):
-                kind, what = "split", f"input {spec.name!r}"
-            elif isinstance(spec, ShardOutput):
-                kind, what = "split", f"output {spec.index}"
-            else:
-                assert isinstance(spec, GatherOutput)
-                kind, what = "gather", f"output {spec.index}"
-            rows.append(
-                {
-                    "module": module,
-                    "what": what,
-                    "kind": kind,
-                    "dim": spec.dim,
-                    "expected_dims": spec.expected_dims,
-                }
-            )
-    return rows
-
-
-def _block_bytes_per_token(
-    D: int, F: int, b: int, compiled: bool = False, per_token_timesteps: bool = False
-) -> dict[str, float]:
-    """Bytes one Wan block keeps for backward per token, per checkpointing mode (see the module docstring)."""
-    return {
-        # compiled: Inductor recomputes the fp32 element-wise outputs instead of saving them, the
-        # per-token modulation products (eager: +32·D) among them
-        "none": (18 * b * D if compiled else (52 + 9 * b + 32 * per_token_timesteps) * D) + 2 * F * b,
-        "selective": (9.3 * D + F) * b,
-        "attention": 3 * D * b,  # self/cross attention outputs and the block input
-        "full": D * b,
-    }
-
-
-def _activation_bytes(
-    cfg: Config,
-    *,
-    L: int,
-    tokens: int,
-    D: int,
-    F: int,
-    b: int,
-    compiled: bool = False,
-    per_token_timesteps: bool = False,
-    activation_budget_bytes: float = 0.0,
-) -> tuple[float, str]:
-    """Training activations of one expert's forward over ``tokens`` (micro batch x CFG x T), and a note.
-    ``activation_budget_bytes``: with ``budget``, what the per-rank total leaves for activations
-    (:func:`miles.parallel.memory_budget.activation_budget`), as the trainer computes it."""
-    mode = cfg.model.activation_checkpointing
-    if isinstance(mode, bool):  # older configs: a switch for full checkpointing
-        mode = "full" if mode else "none"
-    per_block = _block_bytes_per_token(D, F, b, compiled, per_token_timesteps)
-    per_block = {k: v * tokens for k, v in per_block.items()}
-    if mode == "budget":
-        from miles.parallel.checkpointing import plan_modes
-
-        budget = cfg.model.activation_memory_budget_gib
-        try:
-            modes = plan_modes(L, per_block, activation_budget_bytes)
-        except ValueError as e:
-            raise DryRunError(f"activation budget (estimated): {e}") from None
-        counts = {m: modes.count(m) for m in ("none", "selective", "attention", "full") if modes.count(m)}
-        note = (
-            f"budget {budget:g} GiB total ({activation_budget_bytes / GIB:.1f} for activations) -> "
-            + ", ".join(f"{n} {m}" for m, n in counts.items())
-        )
-    else:
-        modes, note = [mode] * L, mode
-    total = sum(per_block[m] for m in modes)
-    if any(m != "none" for m in modes):
-        total += per_block["none"]  # one block's activations while it is recomputed
-    return total, note
-
-
-def _env_int(name: str) -> int | None:
-    value = os.environ.get(name, "").strip()
-    return int(value) if value.isdigit() and int(value) > 0 else None
-
-
-# ---------------------------------------------------------------------------------------------
+DryRunError = PlanError  # the run as configured would be refused at startup; the message names the fix
+_ = _block_bytes_per_token  # the coefficients of the module docstring (tests measure them)
 
 
 def dry_run(
-    cfg: Config,
+    cfg,
     world_size: int | None = None,
     *,
     local_world_size: int | None = None,
@@ -390,298 +90,30 @@ def dry_run(
     ``device_type`` picks the default attention backend and ring kernel (the memory numbers
     are per GPU). Raises :class:`DryRunError` where the real run would refuse to start.
     """
-    world_source = "--world-size"
-    if world_size is None:
-        world_size, world_source = _env_int("WORLD_SIZE"), "$WORLD_SIZE"
-        if world_size is None:
-            world_size, world_source = 1, "default"
-    local_source = "argument"
-    if local_world_size is None:
-        local_world_size, local_source = local_world_size_from_env(), "environment"
-
-    model, index, warnings = _load_meta_model(cfg)
-    first = model.transformers[0]
-    tcfg = first.config
-    dims, mesh = _mesh_report(cfg, model.num_attention_heads, world_size, world_source, local_world_size)
-    inputs, input_warnings = _check_inputs(cfg, dims.dp, model.path, model.condition_mode is not None)
-    warnings += input_warnings
-    mesh["node_note"] = _node_note(dims, world_size, local_world_size, local_source)
-    sp_plan = _sp_plan_report(cfg, dims, model, device_type)
-    sequence, shape = _sequence_report(cfg, dims, model, warnings)
-    params, sizes = _param_report(cfg, model)
-    memory, ac_note = _memory_report(
-        cfg, dims, sizes, shape, tcfg.num_layers, device_type, per_token_timesteps=model.expand_timesteps
-    )
-    report = {
-        "world_size": world_size,
-        "world_size_source": world_source,
-        "local_world_size": local_world_size,
-        "model": {
-            "path": str(model.path),
-            "pipeline": index.get("_class_name"),
-            "transformer_class": type(first).__name__,
-            "num_experts": len(model.transformers),
-            "boundary_ratio": model.boundary_ratio,
-            "expand_timesteps": model.expand_timesteps,
-            "image_condition": model.condition_mode,
-            "num_attention_heads": model.num_attention_heads,
-            "attention_head_dim": tcfg.attention_head_dim,
-            "hidden_size": sizes.hidden_size,
-            "ffn_dim": sizes.ffn_dim,
-            "num_layers": tcfg.num_layers,
-            "text_dim": tcfg.text_dim,
-            "patch_size": list(tcfg.patch_size),
-        },
-        "mesh": mesh,
-        "sp_plan": sp_plan,
-        "sequence": sequence,
-        "inputs": inputs,
-        "activation_checkpointing": ac_note,
-        "params": params,
-        "memory_gib": memory,
-        "warnings": warnings,
-    }
+    plan = plan_run(cfg, world_size, local_world_size=local_world_size, device_type=device_type)
+    plan.warnings += _truncation_warnings(plan)
     if verbose:
-        print(format_report(report), flush=True)
-    return report
+        print(format_report(plan), flush=True)
+    return plan.report()
 
 
-def _mesh_report(
-    cfg: Config, heads: int, world_size: int, world_source: str, local_world_size: int | None
-) -> tuple[ParallelDims, dict]:
-    """The mesh, with the checks ParallelDims and the trainer apply, and its report section (the
-    node note is added by the caller, after the input checks)."""
-    p = cfg.parallel
-    try:
-        dims = ParallelDims(
-            world_size=world_size,
-            sequence_parallel_size=p.sequence_parallel_size,
-            ulysses_degree=p.ulysses_degree,
-            num_attention_heads=heads,
-            replicate_size=p.replicate_size,
+def _truncation_warnings(plan: RunPlan) -> list[str]:
+    """The prompts the text encoder will cut short, counted with the model folder's tokenizer (a
+    folder without one is already reported as one the real run refuses)."""
+    cfg, warnings = plan.cfg, []
+    tokenizer_dir = plan.model.path / "tokenizer"
+    if tokenizer_dir.is_dir():
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+        sources = (
+            (plan.prompts, cfg.data.prompt_file or TINY_PROMPTS),
+            (plan.held_out, cfg.eval.prompt_file),
         )
-    except ValueError as e:
-        raise DryRunError(f"invalid parallel layout (world size {world_size}, {world_source}): {e}") from None
-    valid_u = valid_ulysses_degrees(dims.sp, heads)
-    if p.ulysses_degree == 0:
-        ulysses_note = f"auto: the largest of {valid_u} (divisors of sp {dims.sp} that divide {heads} heads)"
-    else:
-        ulysses_note = f"{dims.ulysses} set by --ulysses-degree"
-    try:
-        check_ulysses_within_node(dims, local_world_size)
-    except ValueError as e:
-        raise DryRunError(f"invalid parallel layout: {e}") from None
-    return dims, {
-        "dp": dims.dp,
-        "sp": dims.sp,
-        "ulysses": dims.ulysses,
-        "ring": dims.ring,
-        "replicate": dims.replicate,
-        "shard": dims.shard,
-        "ulysses_auto": p.ulysses_degree == 0,
-        "ulysses_note": ulysses_note,
-        "node_note": None,
-        "shard_groups": dims.shard_groups(),
-        "groups": {
-            "dp": dims.dp_groups(),
-            "sp": dims.sp_groups(),
-            "ulysses": dims.ulysses_groups(),
-            "ring": dims.ring_groups(),
-        },
-    }
-
-
-def _node_note(dims: ParallelDims, world_size: int, local_world_size: int | None, local_source: str) -> str:
-    if local_world_size is None:
-        return (
-            "processes per node unknown (set LOCAL_WORLD_SIZE or NPROC_PER_NODE): Ulysses groups stay inside "
-            f"a node when the processes per node are a multiple of ulysses {dims.ulysses}"
-        )
-    num_nodes = math.ceil(world_size / local_world_size)
-    ring_crosses = any(len({rank // local_world_size for rank in g}) > 1 for g in dims.ring_groups())
-    return (
-        f"{local_world_size} processes per node ({local_source}), {num_nodes} node(s): Ulysses groups stay "
-        f"inside a node; ring groups {'cross nodes' if ring_crosses else 'stay inside a node'}"
-    )
-
-
-def _sp_plan_report(cfg: Config, dims: ParallelDims, model, device_type: str) -> dict:
-    """The SP plan's boundaries, the attention backend and the ring kernel, checked as the trainer
-    checks them."""
-    from miles.sequence_parallel import validate_sp_args
-    from miles.sequence_parallel.ring import select_ring_kernel
-    from miles.train.trainer import default_attention_backend
-
-    p = cfg.parallel
-    backend = p.fsdp_attention_backend or default_attention_backend(torch.device(device_type))
-    backend_note = "--fsdp-attention-backend" if p.fsdp_attention_backend else f"default on {device_type}"
-    try:
-        validate_sp_args(dims, backend, model_backend=model)
-    except ValueError as e:
-        raise DryRunError(f"invalid sequence-parallel setup: {e}") from None
-    plan_rows: list[dict] = []
-    plan_error = None
-    for i, transformer in enumerate(model.transformers):
-        try:
-            rows = _sp_plan_rows(transformer)
-        except (ValueError, TypeError) as e:
-            if dims.sp > 1:
-                raise DryRunError(f"expert {i} has no usable sequence-parallel plan: {e}") from None
-            plan_error, rows = str(e), []
-        if i == 0:
-            plan_rows = rows
-    ring_kernel = None
-    if dims.ring > 1:
-        ring_kernel = {
-            device_type: select_ring_kernel(backend, torch.device(device_type)).name,
-            "cpu": select_ring_kernel(backend, torch.device("cpu")).name,
-        }
-    return {
-        "enabled": dims.sp > 1,
-        "source": f"{type(model.transformers[0]).__name__}._cp_plan",
-        "boundaries": plan_rows,
-        "error": plan_error,
-        "attention_backend": backend,
-        "attention_backend_note": backend_note,
-        "ring_kernel": ring_kernel,
-    }
-
-
-def _sequence_report(cfg: Config, dims: ParallelDims, model, warnings: list[str]) -> tuple[dict, Any]:
-    """The sequence each rank holds and the rollout's shape (:func:`rollout_shape`)."""
-    r = cfg.rollout
-    tcfg = model.transformers[0].config
-    tokens = model.num_tokens(r.num_frames, r.height, r.width)
-    try:
-        num_sde_steps = count_sde_steps(cfg)
-    except ValueError as e:
-        raise DryRunError(f"invalid rollout schedule: {e}") from None
-    if (tcfg.get("added_kv_proj_dim") or tcfg.get("image_dim")) and cfg.data.max_sequence_length != 512:
-        warnings.append(
-            f"this is an I2V transformer: Wan splits its context at 512 text tokens, but "
-            f"data.max_sequence_length is {cfg.data.max_sequence_length}"
-        )
-    shape = rollout_shape(cfg, model, dims.sp, num_sde_steps)
-    T = shape.tokens_per_rank
-    return {
-        "num_frames": r.num_frames,
-        "height": r.height,
-        "width": r.width,
-        "latent_shape": list(model.latent_shape(r.num_frames, r.height, r.width)),
-        "tokens_per_sample": tokens,
-        "tokens_per_sp_rank": T,
-        "tokens_per_rank_in_attention": T * dims.ulysses,
-        # uneven lengths are padded at the shard boundary: every sp rank holds ceil(S/sp) tokens
-        "pad_tokens": -tokens % dims.sp,
-        "text_tokens": cfg.data.max_sequence_length,
-        "samples_per_rank": cfg.data.prompts_per_rank * cfg.data.group_size,
-        "micro_batch": cfg.train.micro_batch_size,  # samples per forward, in rollout and training alike
-        "cfg_factor": guidance_factor(cfg, len(model.transformers)),
-        "num_sde_steps": num_sde_steps,
-    }, shape
-
-
-def _param_report(cfg: Config, model) -> tuple[dict, ModelSizes]:
-    """Exact parameter counts from the meta modules, and the sizes the memory terms take."""
-    tcfg = model.transformers[0].config
-    per_expert = [_numel(t) for t in model.transformers]
-    blocks = [max(_numel(b) for b in t.blocks) for t in model.transformers]
-    roots = [_numel(t) - sum(_numel(b) for b in t.blocks) for t in model.transformers]
-    lora = 0
-    if cfg.model.lora_rank > 0:
-        lora_per = [
-            _lora_numel(t, cfg.model.lora_rank, cfg.model.lora_target_modules) for t in model.transformers
-        ]
-        if not all(lora_per):
-            raise DryRunError(
-                f"model.lora_target_modules {cfg.model.lora_target_modules} match no Linear layer"
-            )
-        lora = sum(lora_per)
-    total = sum(per_expert) + lora  # adapters are sharded with the rest
-    sizes = ModelSizes(
-        expert_params=tuple(per_expert),
-        lora_params=lora,
-        largest_block=max(blocks),
-        outside_blocks=max(roots),
-        hidden_size=tcfg.num_attention_heads * tcfg.attention_head_dim,
-        ffn_dim=tcfg.ffn_dim,
-        text_dim=tcfg.text_dim,
-        text_encoder_params=_numel(model.pipeline.text_encoder),
-        vae_params=_numel(model.pipeline.vae),
-        **vae_fields(model.pipeline.vae),
-    )
-    return {
-        "per_expert": per_expert,
-        "transformer": sum(per_expert),
-        "lora_adapters": lora,
-        "trainable": lora if cfg.model.lora_rank > 0 else total,
-        "largest_block": max(blocks),
-        "outside_blocks": max(roots),
-        "text_encoder": sizes.text_encoder_params,
-        "vae": sizes.vae_params,
-        "dtype": cfg.model.dtype,
-    }, sizes
-
-
-def _memory_report(
-    cfg: Config,
-    dims: ParallelDims,
-    sizes: ModelSizes,
-    shape,
-    num_layers: int,
-    device_type: str,
-    per_token_timesteps: bool = False,
-) -> tuple[dict[str, float], str]:
-    """Memory per rank from the trainer's own terms (``miles/parallel/memory_budget.py``) and the
-    activation checkpointing plan, with its note."""
-    resident = ResidentMemory.of(cfg, sizes, shape, dims.shard, device_type)
-    budget_mode = cfg.model.activation_checkpointing == "budget"
-    budget = cfg.model.activation_memory_budget_gib * GIB
-    try:
-        left = activation_budget(budget, resident) if budget_mode else 0.0
-    except MemoryBudgetError as e:
-        raise DryRunError(f"memory budget (estimated): {e}") from None
-    compiled = resolve_compile(cfg.model.compile, torch.device(device_type))
-    activations, ac_note = _activation_bytes(
-        cfg,
-        L=num_layers,
-        tokens=cfg.train.micro_batch_size * shape.cfg_factor * shape.tokens_per_rank,
-        D=sizes.hidden_size,
-        F=sizes.ffn_dim,
-        b=DTYPES[cfg.model.dtype].itemsize,
-        compiled=compiled,
-        per_token_timesteps=per_token_timesteps,
-        activation_budget_bytes=left,
-    )
-    ac_note += ", compiled" if compiled else ", eager"
-    return _memory_table(resident, activations, ALLOCATOR_SLACK * budget if budget_mode else 0.0), ac_note
-
-
-def _memory_table(resident: ResidentMemory, activations: float, slack: float) -> dict[str, float]:
-    """The report's memory rows in GiB: the resident terms, the activations and both phases' peaks
-    (allocations; the allocator slack is reported apart: peak + slack <= budget)."""
-    r = resident
-    mem = {
-        "params": r.weights,
-        "gathered_in_flight": r.gathered_train,
-        "grads": r.grads,
-        "optimizer": r.optimizer,
-        "ema": r.ema,
-        "old_policy": r.old_policy,
-        "reference": r.reference,
-        "activations": activations,
-        "rollout_unsharded": r.gathered_rollout,
-        "rollout_activations": r.rollout_workspace,
-        "decode": r.decode_workspace,
-        "buffers": r.buffers,
-        "text_encoder": r.text_encoder,
-        "vae": r.vae,
-        "frozen": r.text_encoder + r.vae,
-        "allocator_slack": slack,
-        "train_peak": r.train_fixed + activations,
-        "rollout_peak": r.rollout_peak,
-    }
-    return {k: v / GIB for k, v in mem.items()}
+        for texts, source in sources:
+            if texts and (w := truncation_warning(texts, tokenizer, cfg.data.max_sequence_length, source)):
+                warnings.append(w)
+    return warnings
 
 
 # ---------------------------------------------------------------------------------------------
@@ -712,8 +144,10 @@ def _human(x: int) -> str:
     return str(x)
 
 
-def format_report(rep: dict[str, Any]) -> str:
-    """The readable form of a :func:`dry_run` report."""
+def format_report(rep: RunPlan | dict[str, Any]) -> str:
+    """The readable form of a run plan (or of the :func:`dry_run` report)."""
+    if isinstance(rep, RunPlan):
+        rep = rep.report()
     m, mesh = rep["model"], rep["mesh"]
     experts = f"{m['num_experts']} x {m['transformer_class']}"
     if m["num_experts"] == 2:
@@ -803,7 +237,7 @@ def _param_memory_lines(rep: dict) -> list[str]:
         f"          largest block {_n(par['largest_block'])}, outside blocks {_n(par['outside_blocks'])}; "
         f"frozen: text encoder {_n(par['text_encoder']) if par['text_encoder'] else 'n/a'}, "
         f"VAE {_n(par['vae'])}",
-        f"memory    per rank, GiB (an estimate; {par['dtype']} compute; formulas in miles/parallel/memory_budget.py)",
+        f"memory    per rank, GiB (an estimate; {par['dtype']} compute; formulas in miles/train/memory_budget.py)",
     ]
     labels = [
         ("params", f"weights (fp32 masters; sharded / {mesh['shard']})"),

@@ -432,16 +432,11 @@ def _write_gathered(cfg: Config, model_path: Path, states: list[dict], out_dir: 
     for name, state in zip(EXPERT_NAMES, states):
         transformer = getattr(pipe, name)
         if cfg.model.lora_rank > 0:
-            from peft import LoraConfig, get_peft_model_state_dict
+            from peft import get_peft_model_state_dict
 
-            transformer.add_adapter(
-                LoraConfig(
-                    r=cfg.model.lora_rank,
-                    lora_alpha=cfg.model.lora_alpha,
-                    init_lora_weights="gaussian",
-                    target_modules=cfg.model.lora_target_modules,
-                )
-            )
+            from miles.models.lora import lora_config
+
+            transformer.add_adapter(lora_config(cfg.model))
             transformer.load_state_dict(state, strict=True)
             WanPipeline.save_lora_weights(
                 tmp / "lora" / name,

@@ -137,7 +137,7 @@ class MetricsLogger:
         reward of each), and in wandb."""
         if not self.enabled:
             return
-        from miles.train.videos import to_uint8, write_video
+        from miles.eval.videos import to_uint8, write_video
 
         out_dir = self.run_dir / "samples" / f"step_{step:06d}"
         out_dir.mkdir(parents=True, exist_ok=True)

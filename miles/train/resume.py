@@ -10,7 +10,7 @@ checkpoint's value and the flag that restores it. Every rank runs this (it only 
 every rank refuses alike.
 
 A lean checkpoint holds only the trained parameters; the frozen rest comes from ``model.path``. The
-fingerprint of the model folder saved with it (:mod:`miles.train.fingerprint`: configs, file names
+fingerprint of the model folder saved with it (:mod:`miles.models.fingerprint`: configs, file names
 and sizes, safetensors headers) must equal this launch's, or the resume is refused before anything
 heavy happens, naming the folder the checkpoint was trained from. Checkpoints saved before
 fingerprints existed are not checked.
@@ -24,9 +24,9 @@ import sys
 from pathlib import Path
 
 from miles.config import Config
+from miles.models.fingerprint import check_base_model, model_fingerprint
 from miles.models.wan import resolve_model_path
 from miles.train.checkpoint import checkpoint_problem, list_checkpoints
-from miles.train.fingerprint import fingerprint_mismatch, model_fingerprint
 from miles.train.logging import print0
 
 # dotted config key -> what it decides (for the message)
@@ -81,21 +81,6 @@ def _saved_state(path: Path) -> dict | None:
         return json.loads((path / "trainer.json").read_text())
     except (OSError, ValueError):
         return None
-
-
-def check_base_model(path: Path, saved: dict | None, current: dict | None) -> None:
-    """Refuse (``ValueError``) to resume ``path`` when the model fingerprint saved with it (``saved``)
-    differs from this launch's (``current``); either None (an older checkpoint, no folder): no check."""
-    if not saved or not current:
-        return
-    differ = fingerprint_mismatch(saved, current)
-    if differ:
-        raise ValueError(
-            f"cannot resume {path}: the checkpoint was trained from another base model: {', '.join(differ)} "
-            f"of {current['path']} differ from the folder it was saved with ({saved.get('path')}). The "
-            f"checkpoint holds only the trained parameters; set model.path to {saved.get('path')} (or an "
-            "unchanged copy of it), or start a new run in its own directory (--run.name NEW_NAME)"
-        )
 
 
 def current_fingerprint(cfg: Config) -> dict | None:

@@ -22,9 +22,8 @@ import pytest
 import torch
 
 from miles.parallel.compile import resolve_compile
-from miles.parallel.fsdp import apply_fsdp
 from miles.parallel.topology import ParallelDims, build_parallel_mesh
-from miles.sequence_parallel import apply_sequence_parallel
+from miles.train.parallelize import parallelize_expert
 from tests.dist_utils import run_pooled
 from tests.models import TINY_WAN
 
@@ -36,10 +35,9 @@ def _build(mesh, mode: str, compiled: bool):
 
     torch.manual_seed(0)
     model = WanTransformer3DModel(**TINY_WAN).train()
-    apply_sequence_parallel(model, mesh)
-    apply_fsdp(
+    parallelize_expert(
         model,
-        mesh.fsdp_mesh,
+        mesh,
         reduce_dtype=torch.float32,
         checkpoint_modes=[mode] * 2,
         compile_blocks=compiled,

@@ -1,8 +1,8 @@
 """Grad-sync parity under FSDP2 over dp x sp, on the production wrapping path.
 
 One world-4 spawn loops over six layouts — dp4, dp2 x sp2 (u2r1 and u1r2), dp1 x sp4 (u4r1,
-u2r2, u1r4) — building a fresh mesh and model per layout exactly as ``Trainer._parallelize``
-does: ``apply_sequence_parallel`` (in place) then ``miles.parallel.fsdp.apply_fsdp`` over
+u2r2, u1r4) — building a fresh mesh and model per layout exactly as ``miles.train.parallelize``
+does (``miles.train.parallelize.parallelize_expert``: SP install, then ``apply_fsdp``) over
 ``mesh.fsdp_mesh`` (fp32 reduce). The same global batch of 4 random samples (a fixed seed) is split by
 dp_rank (sp peers get the same samples); loss = MSE of the output against a random target,
 a mean over the rank's samples. What FSDP leaves in the gradients is the identity
@@ -41,10 +41,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from miles.parallel.fsdp import apply_fsdp
 from miles.parallel.topology import ParallelDims, build_parallel_mesh
-from miles.sequence_parallel import apply_sequence_parallel
 from miles.sequence_parallel.attention import find_dispatch_module
+from miles.train.parallelize import parallelize_expert
 from tests.dist_utils import FIXED_SEEDS, run_pooled
 from tests.models import TINY_WAN
 
@@ -98,12 +97,11 @@ def make_optimizer(params) -> torch.optim.AdamW:
 def build_layout(
     base: torch.nn.Module, world_size: int, sp: int, ulysses: int, param_dtype: torch.dtype | None = None
 ):
-    """A fresh copy of ``base`` parallelised in the trainer's order: SP install → apply_fsdp."""
+    """A fresh copy of ``base`` parallelised as the trainer does (``parallelize_expert``)."""
     dims = ParallelDims(world_size=world_size, sequence_parallel_size=sp, ulysses_degree=ulysses)
     mesh = build_parallel_mesh(dims, "cpu")
     model = copy.deepcopy(base)
-    handle = apply_sequence_parallel(model, mesh)
-    apply_fsdp(model, mesh.fsdp_mesh, param_dtype=param_dtype, reduce_dtype=torch.float32)
+    handle = parallelize_expert(model, mesh, param_dtype=param_dtype, reduce_dtype=torch.float32)
     return dims, mesh, model, handle
 
 

@@ -1,7 +1,7 @@
 """HSDP (``parallel.replicate_size``) against plain FSDP2, on the production wrapping path.
 
 World 4 over gloo, the tiny 2-block Wan transformer, SP installed then ``apply_fsdp`` exactly as
-``Trainer._parallelize`` does, over ``mesh.fsdp_mesh`` — 1-D for plain FSDP, the 2-D
+``miles.train.parallelize`` does, over ``mesh.fsdp_mesh`` — 1-D for plain FSDP, the 2-D
 ``(replicate, shard)`` mesh for HSDP. Layouts at world 4: dp4 vs HSDP R=2 (shards of 2 ranks) and
 R=4 (shards of one rank: DDP-like), and dp2 x sp2 vs HSDP R=2 (each shard group is one sp group).
 
@@ -28,9 +28,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from miles.parallel.fsdp import apply_fsdp
 from miles.parallel.topology import ParallelDims, build_parallel_mesh
-from miles.sequence_parallel import apply_sequence_parallel
+from miles.train.parallelize import parallelize_expert
 from tests.dist_utils import FIXED_SEEDS, run_pooled
 from tests.distributed.test_grad_sync import make_batch, tiny_wan
 
@@ -54,8 +53,7 @@ def _build(base, world_size: int, sp: int, ulysses: int, replicate: int):
     mesh = build_parallel_mesh(dims, "cpu")
     assert mesh.fsdp_mesh.ndim == (2 if replicate > 1 else 1)
     model = copy.deepcopy(base)
-    handle = apply_sequence_parallel(model, mesh)
-    apply_fsdp(model, mesh.fsdp_mesh, reduce_dtype=torch.float32)
+    handle = parallelize_expert(model, mesh, reduce_dtype=torch.float32)
     return dims, mesh, model, handle
 
 

@@ -35,13 +35,14 @@ def _old_rollout(trainer, sampler_state: dict) -> list[dict]:
     from miles.models.wan import DTYPES
     from miles.parallel.fsdp import unsharded_for_rollout
     from miles.rollout.sampler import sample_with_logprob
+    from miles.train.collect import guidance_scales, micro_slices, step_major_order
 
     trainer.sampler.load_state_dict(sampler_state)
     cfg, r = trainer.cfg, trainer.cfg.rollout
     groups = next(trainer.sampler)
     G = cfg.data.group_size
     sample_ids = [g * G + i % G for i, g in enumerate(groups.group_ids)]
-    order = trainer._step_major_order(len(sample_ids))
+    order = step_major_order(cfg, len(sample_ids))
     prompts = [trainer.prompts[groups.prompt_indices[i]].text for i in order]
     group_list = [groups.group_ids[i] for i in order]
     sample_ids = [sample_ids[i] for i in order]
@@ -62,7 +63,7 @@ def _old_rollout(trainer, sampler_state: dict) -> list[dict]:
         unsharded_for_rollout(experts, reshard_after_forward=cfg.parallel.reshard_after_forward),
         torch.no_grad(),
     ):
-        for sl in trainer._micro_slices(len(prompts)):
+        for sl in micro_slices(cfg, len(prompts)):
             pos, neg = trainer.model.encode_prompts(
                 prompts[sl], cfg.data.negative_prompt, cfg.data.max_sequence_length, trainer.device
             )
@@ -73,7 +74,7 @@ def _old_rollout(trainer, sampler_state: dict) -> list[dict]:
                 latent_shape,
                 num_steps=r.num_steps,
                 shift=r.shift,
-                guidance_scales=trainer._guidance_scales(),
+                guidance_scales=guidance_scales(r, 2),
                 boundary_ratio=trainer.model.boundary_ratio,
                 noise_level=r.noise_level,
                 generator=sde_gens[sl],
@@ -123,21 +124,21 @@ def _body(rank, world_size, out_dir):
     experts = trainer.algorithm.rollout_transformers(trainer.policy)
     seen = _watch_sharding(experts)
     state = trainer.sampler.state_dict()
-    new = trainer.rollout()["chunks"]
+    new = trainer.rollout().chunks
     assert {e for e, _ in seen} == {0, 1} and all(other_sharded for _, other_sharded in seen), seen
     seen.clear()
     old = _old_rollout(trainer, state)
     assert seen and not any(other_sharded for _, other_sharded in seen)  # the check can fail
     assert len(new) == len(old) == 4
     for n, o in zip(new, old):
-        assert n["slice"] == o["slice"]
-        a, b = n["rollout"], o["rollout"]
+        assert n.slice == o["slice"]
+        a, b = n.rollout, o["rollout"]
         assert a.step_indices == b.step_indices == [0, 1, 2, 3]
         for name in ("latents", "next_latents", "log_probs", "means", "final_latents", "timesteps", "sigmas"):
             x, y = getattr(a, name), getattr(b, name)
             assert x.shape == y.shape and torch.equal(x, y), (name, (x - y).abs().max().item())
-        assert n["pos"].device.type == "cpu" and torch.equal(n["pos"], o["pos"].cpu())
-        assert torch.equal(n["neg"].expand_as(o["neg"]), o["neg"].cpu())
+        assert n.pos.device.type == "cpu" and torch.equal(n.pos, o["pos"].cpu())
+        assert torch.equal(n.neg.expand_as(o["neg"]), o["neg"].cpu())
     trainer.close()
 
 

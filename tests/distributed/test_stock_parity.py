@@ -24,10 +24,9 @@ import pytest
 import torch
 
 from miles.models.tiny import TINY_TRANSFORMER
-from miles.parallel.fsdp import apply_fsdp
 from miles.parallel.topology import ParallelDims, build_parallel_mesh
 from miles.rollout.sampler import predict_velocity
-from miles.sequence_parallel import apply_sequence_parallel
+from miles.train.parallelize import parallelize_expert
 from tests.dist_utils import run_pooled
 
 pytestmark = pytest.mark.distributed
@@ -68,8 +67,7 @@ def _body(rank: int, world_size: int, folder: str, seed: int) -> None:
             ParallelDims(world_size=world_size, sequence_parallel_size=sp, ulysses_degree=sp), "cpu"
         )
         model = WanTransformer3DModel.from_pretrained(folder, dtype=torch.float32).eval()
-        apply_sequence_parallel(model, mesh)
-        apply_fsdp(model, mesh.fsdp_mesh, param_dtype=BF16, reduce_dtype=torch.float32)
+        parallelize_expert(model, mesh, param_dtype=BF16, reduce_dtype=torch.float32)
         with torch.no_grad():
             for t in TIMESTEPS:
                 t32 = torch.tensor(t, dtype=torch.float32)

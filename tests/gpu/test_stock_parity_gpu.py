@@ -70,14 +70,12 @@ def _stock_bf16(fp32_model):
 def _trainer_model(fp32_model, compiled: bool):
     import copy
 
-    from miles.parallel.fsdp import apply_fsdp
     from miles.parallel.topology import ParallelDims, build_parallel_mesh
-    from miles.sequence_parallel import apply_sequence_parallel
+    from miles.train.parallelize import parallelize_expert
 
     mesh = build_parallel_mesh(ParallelDims(world_size=1, sequence_parallel_size=1), "cuda")
     model = copy.deepcopy(fp32_model).eval()
-    apply_sequence_parallel(model, mesh)
-    apply_fsdp(model, mesh.fsdp_mesh, param_dtype=BF16, reduce_dtype=torch.float32, compile_blocks=compiled)
+    parallelize_expert(model, mesh, param_dtype=BF16, reduce_dtype=torch.float32, compile_blocks=compiled)
     return model
 
 

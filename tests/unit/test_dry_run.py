@@ -469,3 +469,23 @@ def test_per_token_timesteps_term_is_what_a_block_saves():
         term = formula[1] - formula[0]
         assert term == (0 if compiled else eager_term), (compiled, term)
         assert abs(measured - term) <= 0.05 * eager_term, (compiled, measured / D, term / D)
+
+
+def test_the_trainer_runs_the_plan_the_dry_run_prints(tmp_path):
+    """One plan (``miles.train.plan``): the dry run prints ``format_report(plan)`` and warns about a
+    folder of configs only, which the real run's strict plan (what ``Trainer`` calls) refuses."""
+    from miles.train.dry_run import format_report
+    from miles.train.plan import PlanError, plan_run
+
+    folder = _wan21_folder(tmp_path)
+    cfg, _ = parse_args(
+        [*TINY, "--model.path", str(folder), "--run.output-dir", str(tmp_path / "runs")]
+        + ["--sequence-parallel-size", "2"]
+    )
+    plan = plan_run(cfg, 4, device_type="cpu")
+    report = dry_run(cfg, 4, device_type="cpu", verbose=False)
+    assert format_report(plan) == format_report(report)
+    assert (plan.dims.dp, plan.dims.sp, plan.dims.ulysses) == (2, 2, 2)
+    assert any("the real run will refuse this folder" in w for w in report["warnings"])
+    with pytest.raises(PlanError, match="lacks the 'text_encoder' folder"):
+        plan_run(cfg, 4, device_type="cpu", strict=True)

@@ -20,8 +20,8 @@ from PIL import Image
 from miles.config import ModelConfig
 from miles.data.prompts import check_prompt_images, load_image, load_prompts
 from miles.eval.evaluate import EvalSettings, sample_with_scheduler
-from miles.models.i2v import condition_mode, run_condition_mode
-from miles.models.wan import check_wan_folder, load_wan
+from miles.models.i2v import condition_mode
+from miles.models.wan import check_wan_folder, load_wan, run_condition_mode
 from miles.rollout.sampler import compute_log_prob, sample_with_logprob
 
 PROMPTS = ["a red ball", "a blue cube rolling"]
@@ -418,6 +418,7 @@ def test_diffusion_nft_loss_skips_the_clean_first_frame():
     from miles.algorithms import Policy, build_algorithm
     from miles.algorithms.diffusion_nft import nft_loss
     from miles.config import AlgorithmConfig, Config, NFTConfig, RolloutConfig
+    from miles.rollout.batch import MicroBatch, RolloutBatch
     from miles.rollout.sampler import predict_velocity
     from miles.train.old_policy import OldPolicy
 
@@ -445,10 +446,10 @@ def test_diffusion_nft_loss_skips_the_clean_first_frame():
     condition = model.encode_images([_image(0), _image(1)], FRAMES, SIZE, SIZE, "cpu")
     pos, _ = model.encode_prompts(PROMPTS, "", TEXT_TOKENS, "cpu")
     x0 = condition.clean(torch.randn(2, *shape, generator=torch.Generator().manual_seed(3)))
-    chunk = dict(slice=slice(0, 2), pos=pos, rollout=SimpleNamespace(final_latents=x0), condition=condition)
-    batch = dict(advantages=torch.tensor([1.0, -1.0]), sample_ids=torch.tensor([0, 1]), rollout_index=0)
-    batch["step_in_rollout"] = 0
-    loss = algorithm.accumulate(policy, batch, [chunk])["loss"]
+    chunk = MicroBatch(slice(0, 2), pos, pos, SimpleNamespace(final_latents=x0), condition)
+    ids = torch.tensor([0, 1])
+    batch = RolloutBatch(PROMPTS, [None] * 2, ids, ids, 0, [chunk], [], advantages=torch.tensor([1.0, -1.0]))
+    loss = algorithm.accumulate(policy, batch, [chunk], step_in_rollout=0)["loss"]
 
     sigmas, noises = algorithm._draws(policy, batch, chunk, x0)
     r = torch.tensor([0.6, 0.4])  # optimality of advantages ±1 with A_max 5

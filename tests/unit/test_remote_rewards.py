@@ -1,6 +1,8 @@
 """The ``remote`` reward against a real reward server, and ``vlm_judge`` against a fake VLM, over loopback.
 
-The reward server runs as ``python -m miles.rewards.serve`` in a subprocess hosting the
+The reward server runs as ``python -m miles.rewards.serve --engine threading`` (the
+standard-library fallback, which starts in a second; the Ray Serve engine has its own tests in
+``test_reward_service.py``) in a subprocess hosting the
 download-free rewards; remote scores are compared bitwise with in-process scores of the same
 uint8-quantised frames (``dequantize_frames(frames_to_uint8(videos))``, what the server scores).
 Faults are real: the server is killed between batches and restarted, and its test-only
@@ -72,7 +74,8 @@ class Server:
 
 def start_server(*args: str, port: int = 0) -> Server:
     """``python -m miles.rewards.serve`` on ``port`` (0: a free one); returns once it listens."""
-    cmd = [sys.executable, "-m", "miles.rewards.serve", "--rewards", HOSTED, "--port", str(port), *args]
+    cmd = [sys.executable, "-m", "miles.rewards.serve", "--rewards", HOSTED, "--port", str(port)]
+    cmd += ["--engine", "threading", *args]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     output = []
     for line in proc.stdout:
@@ -169,6 +172,24 @@ def test_missing_server_is_refused_in_the_constructor() -> None:
     assert "python -m miles.rewards.serve" in str(e.value)
 
 
+def test_dry_run_and_trainer_check_the_server_before_building(server: Server) -> None:
+    """``check_reward_config`` (the dry run's check, and the trainer's before the model loads) asks
+    the server: a missing server and an unhosted reward are refused without building a reward."""
+    from miles.config import RewardConfig
+    from miles.rewards.from_config import check_reward_config
+
+    options = dict(remote_retries=1, remote_backoff_s=0.01, remote_timeout_s=10.0)
+    missing = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(ValueError, match=re.escape(f"{missing}/health") + ".*after 2 attempt"):
+        check_reward_config(RewardConfig(weights={"remote": 1.0}, remote_url=missing, **options))
+    cfg = RewardConfig(
+        weights={"remote": 1.0}, remote_url=server.url, remote_rewards={"pickscore": 1.0}, **options
+    )
+    with pytest.raises(ValueError, match=r"does not host \['pickscore'\]"):
+        check_reward_config(cfg)
+    check_reward_config(RewardConfig(weights={"remote": 1.0}, remote_url=server.url, **options))
+
+
 def test_unhosted_reward_and_bad_prompt_are_refused(server: Server) -> None:
     with pytest.raises(ValueError, match=r"does not host \['pickscore'\]"):
         build_rewards({"remote": 1.0}, remote_url=server.url, remote_rewards=["pickscore"], **FAST)
@@ -251,6 +272,43 @@ def test_lost_answers_are_retried_and_each_sample_scored_once() -> None:
         assert remote.rewards["remote"].stats() == {"num_requests": 2, "num_retries": 2, "num_samples": 6}
     finally:
         server.kill()
+
+
+def test_threading_engine_token_and_limits(monkeypatch) -> None:
+    """The fallback engine's checks are the Ray engine's: 401 without the token, 413 over the limit,
+    400 for a hostile request id; the client sends ``$MILES_REWARD_TOKEN``."""
+    monkeypatch.setenv("MILES_REWARD_TOKEN", "s3cret")  # the server inherits it, so does the client
+    server = start_server("--max-request-mb", "0.5")
+    try:
+        frames = frames_to_uint8(world_batch(1)[0])
+        body = encode_request(frames, ["a big red ball moving left"], ["sharpness"], "a;rm -rf /")
+        for headers in ({}, {"Authorization": "Bearer nope"}):
+            r = requests.post(server.url + "/score", data=body, headers=headers, timeout=10)
+            assert r.status_code == 401 and "MILES_REWARD_TOKEN" in r.json()["error"]
+        auth = {"Authorization": "Bearer s3cret"}
+        r = requests.post(server.url + "/score", data=body, headers=auth, timeout=10)
+        assert r.status_code == 400 and "request_id" in r.json()["error"]
+        big = encode_request(np.zeros((8, 9, 64, 64, 3), np.uint8), ["x"] * 8, ["sharpness"], "big")
+        assert requests.post(server.url + "/score", data=big, headers=auth, timeout=10).status_code == 413
+        videos, prompts = world_batch(2)
+        got, _ = build_rewards({"remote": 1.0}, remote_url=server.url, remote_rewards=MIX, **FAST)(
+            videos, prompts
+        )
+        assert_bitwise(got, build_rewards(MIX)(quantized(videos), prompts)[0])
+        monkeypatch.delenv("MILES_REWARD_TOKEN")
+        with pytest.raises(ValueError, match="refused this client's token"):
+            build_rewards({"remote": 1.0}, remote_url=server.url, **FAST)
+    finally:
+        server.kill()
+
+
+def test_non_loopback_bind_without_token_is_refused(monkeypatch, capsys) -> None:
+    from miles.rewards import serve
+
+    monkeypatch.delenv("MILES_REWARD_TOKEN", raising=False)
+    for engine in ("threading", "ray"):  # refused before any reward or Ray starts
+        assert serve.main(["--rewards", "sharpness", "--host", "0.0.0.0", "--engine", engine]) == 2
+        assert "refusing to serve on 0.0.0.0 without a token" in capsys.readouterr().err
 
 
 def start_fake(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:

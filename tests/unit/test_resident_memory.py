@@ -1,4 +1,4 @@
-"""The per-rank memory promise (miles/parallel/memory_budget.py) against hand-written formulas.
+"""The per-rank memory promise (miles/train/memory_budget.py) against hand-written formulas.
 
 Every term of :class:`ResidentMemory` is recomputed here from the parameter counts with the
 formulas written out (integers, exact), on the tiny model and on Wan2.2-A14B / Wan2.1-14B shapes
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from miles.config import parse_args
-from miles.parallel.memory_budget import (
+from miles.train.memory_budget import (
     ALLOCATOR_SLACK,
     GIB,
     MemoryBudgetError,
@@ -343,7 +343,7 @@ def test_vae_decode_term_is_what_the_decoder_holds(family):
     )
     torch.manual_seed(0)
     vae = AutoencoderKLWan(**config).eval()
-    from miles.parallel.memory_budget import _decode_bytes, vae_widths
+    from miles.train.memory_budget import _decode_bytes, vae_widths
 
     base, got_family = vae_widths(vae.config)
     assert got_family == family

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from miles.config import parse_args
-from miles.train.fingerprint import fingerprint_mismatch, model_fingerprint
+from miles.models.fingerprint import fingerprint_mismatch, model_fingerprint
 from miles.train.resume import RESUME_MUST_MATCH, config_differences, resume_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from miles.train import videos as vid
+from miles.eval import videos as vid
 from miles.train.logging import MetricsLogger
 
 

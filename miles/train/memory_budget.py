@@ -4,9 +4,9 @@
 GPU must fit in it, at every phase. :class:`ResidentMemory` accounts for what is not training
 activations, term by term (bytes per rank); :func:`activation_budget` gives activation
 checkpointing what is left and refuses, before any heavy work, a budget that the rollout alone
-cannot meet. The trainer (``Trainer._checkpoint_modes``) and the dry run (``miles/train/dry_run.py``)
-both build it with :meth:`ResidentMemory.of`, so the estimate the dry run prints and the plan the
-trainer picks agree.
+cannot meet. The run plan (``miles/train/plan.py``), which the trainer runs and the dry run
+prints, builds it with :meth:`ResidentMemory.of`, so the estimate the dry run prints and the plan
+the trainer picks agree.
 
 Notation: S = the FSDP shard group size (W, or W / replicate_size under HSDP: replicas each hold a
 full set of shards), N = parameters of all experts (base), N_t = trainable parameters (all of N for a
@@ -65,6 +65,8 @@ __all__ = [
     "ResidentMemory",
     "RolloutShape",
     "activation_budget",
+    "activation_bytes",
+    "block_bytes_per_token",
     "cfg_factor",
     "count_sde_steps",
     "model_sizes",
@@ -342,9 +344,9 @@ def count_sde_steps(cfg) -> int:
 
 def cfg_factor(cfg, num_experts: int) -> int:
     """2 when classifier-free guidance runs (cond and uncond as one batch), else 1."""
-    r = cfg.rollout
-    scales = [r.guidance_scale, r.guidance_scale if r.guidance_scale_2 is None else r.guidance_scale_2]
-    return 2 if any(s > 1.0 for s in scales[:num_experts]) else 1
+    from miles.rollout.guidance import uses_cfg
+
+    return 2 if uses_cfg(cfg.rollout, num_experts) else 1
 
 
 def rollout_shape(cfg, model, sp: int, num_sde_steps: int) -> RolloutShape:
@@ -362,3 +364,58 @@ def rollout_shape(cfg, model, sp: int, num_sde_steps: int) -> RolloutShape:
         cfg_factor=cfg_factor(cfg, len(model.transformers)),
         text_tokens=cfg.data.max_sequence_length,
     )
+
+
+def block_bytes_per_token(
+    D: int, F: int, b: int, compiled: bool = False, per_token_timesteps: bool = False
+) -> dict[str, float]:
+    """Bytes one Wan block keeps for backward per token, per checkpointing mode (see the module docstring)."""
+    return {
+        # compiled: Inductor recomputes the fp32 element-wise outputs instead of saving them, the
+        # per-token modulation products (eager: +32·D) among them
+        "none": (18 * b * D if compiled else (52 + 9 * b + 32 * per_token_timesteps) * D) + 2 * F * b,
+        "selective": (9.3 * D + F) * b,
+        "attention": 3 * D * b,  # self/cross attention outputs and the block input
+        "full": D * b,
+    }
+
+
+def activation_bytes(
+    cfg,
+    *,
+    L: int,
+    tokens: int,
+    D: int,
+    F: int,
+    b: int,
+    compiled: bool = False,
+    per_token_timesteps: bool = False,
+    activation_budget_bytes: float = 0.0,
+) -> tuple[float, str]:
+    """Training activations of one expert's forward over ``tokens`` (micro batch x CFG x T), and a note.
+    ``activation_budget_bytes``: with ``budget``, what the per-rank total leaves for activations
+    (:func:`activation_budget`), as the trainer computes it."""
+    mode = cfg.model.activation_checkpointing
+    if isinstance(mode, bool):  # older configs: a switch for full checkpointing
+        mode = "full" if mode else "none"
+    per_block = block_bytes_per_token(D, F, b, compiled, per_token_timesteps)
+    per_block = {k: v * tokens for k, v in per_block.items()}
+    if mode == "budget":
+        from miles.parallel.checkpointing import plan_modes
+
+        budget = cfg.model.activation_memory_budget_gib
+        try:
+            modes = plan_modes(L, per_block, activation_budget_bytes)
+        except ValueError as e:
+            raise MemoryBudgetError(f"activation budget (estimated): {e}") from None
+        counts = {m: modes.count(m) for m in ("none", "selective", "attention", "full") if modes.count(m)}
+        note = (
+            f"budget {budget:g} GiB total ({activation_budget_bytes / GIB:.1f} for activations) -> "
+            + ", ".join(f"{n} {m}" for m, n in counts.items())
+        )
+    else:
+        modes, note = [mode] * L, mode
+    total = sum(per_block[m] for m in modes)
+    if any(m != "none" for m in modes):
+        total += per_block["none"]  # one block's activations while it is recomputed
+    return total, note

@@ -82,3 +82,18 @@ def fingerprint_mismatch(saved: dict, current: dict) -> list[str] | None:
         return None
     a, b = saved.get("components", {}), current.get("components", {})
     return sorted(name for name in set(a) | set(b) if a.get(name) != b.get(name)) or ["model_index.json"]
+
+
+def check_base_model(path: Path, saved: dict | None, current: dict | None) -> None:
+    """Refuse (``ValueError``) to resume ``path`` when the model fingerprint saved with it (``saved``)
+    differs from this launch's (``current``); either None (an older checkpoint, no folder): no check."""
+    if not saved or not current:
+        return
+    differ = fingerprint_mismatch(saved, current)
+    if differ:
+        raise ValueError(
+            f"cannot resume {path}: the checkpoint was trained from another base model: {', '.join(differ)} "
+            f"of {current['path']} differ from the folder it was saved with ({saved.get('path')}). The "
+            f"checkpoint holds only the trained parameters; set model.path to {saved.get('path')} (or an "
+            "unchanged copy of it), or start a new run in its own directory (--run.name NEW_NAME)"
+        )
