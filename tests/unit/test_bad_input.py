@@ -11,7 +11,7 @@ Through the real entry point (``python train_grpo.py``, one process, gloo), one 
   one rollout needs, a run path that is a file) exit with code 2 and the message, before the
   model is sharded or a rollout runs.
 
-Neither leaves a run directory behind. Then, in-process on one gloo rank (``run_distributed``), a
+Neither leaves a run directory behind. Then, in-process on one gloo rank (``run_pooled``), a
 NaN reward, a NaN loss and a NaN gradient each stop the run with ``NonFiniteError`` naming the
 step and the last good checkpoint, and no checkpoint is written after it.
 About 90 s on 2 cores.
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist_utils import free_port, run_distributed
+from tests.dist_utils import free_port, run_pooled
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_DIR = REPO / ".cache" / "tiny-wan"
@@ -254,9 +254,12 @@ def _nonfinite_body(rank, world_size, out_dir, where, bad_step, expect_step):
     """Train with ``where`` made non-finite during optimizer step ``bad_step`` (1-based)."""
     import torch
 
+    import miles.algorithms.flow_grpo as A  # the algorithm forms the loss and the log-probs
     import miles.train.trainer as T
 
     trainer = T.Trainer(_config(out_dir))
+    # Put back on exit: the body runs on ranks that serve later tests too (run_pooled).
+    patched = {"grpo_policy_loss": A.grpo_policy_loss, "compute_log_prob": A.compute_log_prob}
     if where == "reward":
         score = trainer.rewards
 
@@ -270,8 +273,6 @@ def _nonfinite_body(rank, world_size, out_dir, where, bad_step, expect_step):
         rewards.names = score.names
         trainer.rewards = rewards
     elif where == "loss":
-        import miles.algorithms.flow_grpo as A  # the algorithm forms the loss
-
         loss_fn = A.grpo_policy_loss
 
         def loss(*args, **kwargs):
@@ -282,8 +283,6 @@ def _nonfinite_body(rank, world_size, out_dir, where, bad_step, expect_step):
 
         A.grpo_policy_loss = loss
     elif where == "grad":
-        import miles.algorithms.flow_grpo as A
-
         log_prob_fn = A.compute_log_prob
 
         def log_prob(*args, **kwargs):
@@ -301,6 +300,8 @@ def _nonfinite_body(rank, world_size, out_dir, where, bad_step, expect_step):
         raise AssertionError(f"a non-finite {where} at step {bad_step} did not stop the run")
     finally:
         trainer.close()
+        for name, fn in patched.items():
+            setattr(A, name, fn)
     checkpoints = Path(out_dir) / "nan" / "checkpoints"
     good = f"step_{2 * ((bad_step - 1) // 2):06d}"  # the last rollout boundary before bad_step
     assert f"step {expect_step}" in message, message
@@ -323,9 +324,9 @@ def _nonfinite_body(rank, world_size, out_dir, where, bad_step, expect_step):
     ],
 )
 def test_nonfinite_stops_and_keeps_the_last_good_checkpoint(tmp_path, where, bad_step, expect_step):
-    run_distributed(_nonfinite_body, 1, str(tmp_path), where, bad_step, expect_step)
+    run_pooled(_nonfinite_body, 1, str(tmp_path), where, bad_step, expect_step)
 
 
 @pytest.mark.distributed
 def test_nonfinite_gradient_is_not_checkpointed(tmp_path):
-    run_distributed(_nonfinite_body, 1, str(tmp_path), "grad", 4, 4)
+    run_pooled(_nonfinite_body, 1, str(tmp_path), "grad", 4, 4)
