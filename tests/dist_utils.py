@@ -128,6 +128,18 @@ def run_distributed(fn, world_size: int, *args, **kwargs) -> None:
             raise AssertionError(f"a rank died: {e}") from e
 
 
+class KeepGroup:
+    """``torch.distributed`` for ``train_grpo.main`` (as ``train_grpo.dist``) when its process group
+    must outlive it: ``destroy_process_group`` does nothing (tests/e2e/multi_run.py, pooled ranks)."""
+
+    def __getattr__(self, name):
+        return getattr(dist, name)
+
+    @staticmethod
+    def destroy_process_group(*args, **kwargs) -> None:
+        pass
+
+
 # --- ranks kept for the session -------------------------------------------------------------------
 
 POOL_CALL_TIMEOUT_S = 1500.0  # one body on a loaded 2-core machine; a hang fails the test after this

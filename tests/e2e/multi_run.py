@@ -119,20 +119,6 @@ def launch_runs(
 # --- the launched side ------------------------------------------------------------------------------
 
 
-class _KeepGroup:
-    """``torch.distributed`` for ``train_grpo.main``, whose ``destroy_process_group`` waits for the
-    last run."""
-
-    def __getattr__(self, name):
-        import torch.distributed
-
-        return getattr(torch.distributed, name)
-
-    @staticmethod
-    def destroy_process_group(*args, **kwargs) -> None:
-        pass
-
-
 def _say(text: str) -> None:
     if os.environ.get("RANK", "0") == "0":
         for stream in (sys.stdout, sys.stderr):
@@ -163,8 +149,9 @@ def _main(spec_file: str) -> int:
     import torch.distributed as dist
 
     import train_grpo
+    from tests.dist_utils import KeepGroup
 
-    train_grpo.dist = _KeepGroup()
+    train_grpo.dist = KeepGroup()
     switches, seed = _switches(), torch.initial_seed()
     for run in json.loads(Path(spec_file).read_text()):
         _say(f"{BEGIN}{run['name']}")
