@@ -11,6 +11,15 @@ Usage in a test:
 The body must be a module-level function (it is pickled for spawn). Failures on any
 rank are re-raised in the parent with that rank's traceback.
 
+``run_pooled`` runs the body the same way on ranks that live for the whole session (one set per
+world size), so that a test pays the ~10-30 s start-up of its processes (Python, torch, diffusers,
+gloo) once per session instead of once per call. A pooled body must leave the process as it found
+it: restore what it patches (module attributes, environment variables) and keep the default process
+group. After each body the ranks restore the deterministic-algorithms flags (torch's and
+Inductor's), the default dtype, grad mode and Dynamo's caches. A failure on any rank retires the
+set (a fresh one serves the next call).
+Bodies that replace the default process group use ``run_distributed``.
+
 Also the launch helpers' rule for torchrun launches (tests/e2e): a failed launch is retried only
 when every rank wrote its "finished" marker (``train_grpo.py`` writes ``rank<R>`` into
 ``$MILES_FINISHED_DIR`` after its work returned 0), that is, when the failure came after every rank
@@ -20,10 +29,13 @@ reported as a warning. Random inputs use ``FIXED_SEEDS`` so that a failure repro
 
 from __future__ import annotations
 
+import atexit
 import os
+import queue
 import socket
 import sys
 import tempfile
+import time
 import traceback
 import warnings
 from pathlib import Path
@@ -114,3 +126,155 @@ def run_distributed(fn, world_size: int, *args, **kwargs) -> None:
                 warnings.warn(f"ignored a crash after every rank had passed its checks: {e}", stacklevel=2)
                 return
             raise AssertionError(f"a rank died: {e}") from e
+
+
+class KeepGroup:
+    """``torch.distributed`` for ``train_grpo.main`` (as ``train_grpo.dist``) when its process group
+    must outlive it: ``destroy_process_group`` does nothing (tests/e2e/multi_run.py, pooled ranks)."""
+
+    def __getattr__(self, name):
+        return getattr(dist, name)
+
+    @staticmethod
+    def destroy_process_group(*args, **kwargs) -> None:
+        pass
+
+
+# --- ranks kept for the session -------------------------------------------------------------------
+
+POOL_CALL_TIMEOUT_S = 1500.0  # one body on a loaded 2-core machine; a hang fails the test after this
+POOL_FAILURE_GRACE_S = 30.0  # after one rank failed, how long the others may take to report
+
+
+def _process_state() -> tuple:
+    from torch._inductor import config as inductor_config
+
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    inductor_deterministic = getattr(inductor_config, "deterministic", None)
+    return deterministic, inductor_deterministic, torch.get_default_dtype(), torch.initial_seed()
+
+
+def _reset_process_state(deterministic: bool, inductor_deterministic, dtype: torch.dtype, seed: int) -> None:
+    """Put back what a body may switch: a Trainer's deterministic mode (torch's and Inductor's flag)."""
+    from torch._inductor import config as inductor_config
+
+    torch.manual_seed(seed)  # the generator as a fresh process has it
+    torch.use_deterministic_algorithms(deterministic)
+    if inductor_deterministic is not None:
+        inductor_config.deterministic = inductor_deterministic
+    torch.set_default_dtype(dtype)
+    torch.set_grad_enabled(True)
+    torch._dynamo.reset()
+
+
+def _pool_worker(rank, world_size, port, tasks, results):
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+    )
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    state = _process_state()
+    while (task := tasks.get()) is not None:
+        fn, args, kwargs, env = task
+        os.environ.update(env)
+        try:
+            fn(rank, world_size, *args, **kwargs)
+            error = None
+        except BaseException:
+            error = traceback.format_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        results.put((rank, error))
+        _reset_process_state(*state)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # as in _worker: no interpreter finalization with gloo threads alive
+
+
+class _Pool:
+    """``world_size`` gloo ranks that run one body after another."""
+
+    def __init__(self, world_size: int):
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        self.tasks = [ctx.SimpleQueue() for _ in range(world_size)]
+        self.results = ctx.Queue()
+        port = free_port()
+        self.procs = [
+            ctx.Process(
+                target=_pool_worker, args=(r, world_size, port, self.tasks[r], self.results), daemon=True
+            )
+            for r in range(world_size)
+        ]
+        for proc in self.procs:
+            proc.start()
+
+    def run(self, fn, args, kwargs) -> dict[int, str | None]:
+        """Each rank's error (None: passed); raises AssertionError when a rank died or hung."""
+        env = {k: v for k, v in os.environ.items() if k not in _RANK_ENV}
+        for q in self.tasks:
+            q.put((fn, args, kwargs, env))
+        errors: dict[int, str | None] = {}
+        deadline = time.monotonic() + POOL_CALL_TIMEOUT_S
+        while len(errors) < self.world_size:
+            if any(e is not None for e in errors.values()):
+                deadline = min(deadline, time.monotonic() + POOL_FAILURE_GRACE_S)
+            try:
+                rank, error = self.results.get(timeout=1.0)
+                errors[rank] = error
+                continue
+            except queue.Empty:
+                pass
+            dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
+            if dead or time.monotonic() > deadline:
+                if any(e is not None for e in errors.values()):
+                    break  # the others are stuck in a collective with the failed rank
+                what = f"rank(s) {dead} died" if dead else f"no result after {POOL_CALL_TIMEOUT_S:.0f} s"
+                raise AssertionError(f"distributed test failed: {what}")
+        return errors
+
+    def close(self) -> None:
+        for proc, q in zip(self.procs, self.tasks):
+            if proc.is_alive():
+                q.put(None)
+        for proc in self.procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+
+
+_RANK_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+_pools: dict[int, _Pool] = {}
+
+
+def close_pools() -> None:
+    while _pools:
+        _pools.popitem()[1].close()
+
+
+atexit.register(close_pools)
+
+
+def run_pooled(fn, world_size: int, *args, **kwargs) -> None:
+    """``run_distributed`` on the session's ranks of ``world_size`` (started at the first call)."""
+    pool = _pools.get(world_size) or _pools.setdefault(world_size, _Pool(world_size))
+    try:
+        errors = pool.run(fn, args, kwargs)
+    except BaseException:
+        _pools.pop(world_size).close()
+        raise
+    failed = {r: e for r, e in errors.items() if e is not None}
+    if failed or len(errors) < world_size:
+        silent = sorted(set(range(world_size)) - set(errors))
+        dead = {r: pool.procs[r].exitcode for r in silent if pool.procs[r].exitcode is not None}
+        msgs = [f"rank {r}:\n{e}" for r, e in sorted(failed.items())]
+        msgs += [f"rank {r} died (exit code {code})" for r, code in dead.items()]
+        if stuck := [r for r in silent if r not in dead]:
+            msgs += [f"rank(s) {stuck} did not finish (stuck in a collective?)"]
+        _pools.pop(world_size).close()  # a rank may be left inside a collective: start afresh
+        raise AssertionError("distributed test failed:\n" + "\n".join(msgs))

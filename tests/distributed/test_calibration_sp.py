@@ -16,7 +16,7 @@ import miles.parallel.checkpointing as checkpointing
 from miles.models.wan import calibrate_block_memory
 from miles.parallel.topology import ParallelDims, build_parallel_mesh
 from miles.sequence_parallel import apply_sequence_parallel
-from tests.dist_utils import run_distributed
+from tests.dist_utils import run_pooled
 from tests.distributed.test_usp_model import tiny_wan
 
 pytestmark = pytest.mark.distributed
@@ -52,4 +52,4 @@ def _body(rank, world_size):
 
 
 def test_calibration_feeds_one_shard_at_sp2():
-    run_distributed(_body, 2)
+    run_pooled(_body, 2)

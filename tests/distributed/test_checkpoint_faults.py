@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist_utils import run_distributed
+from tests.dist_utils import run_pooled
 
 pytestmark = pytest.mark.distributed
 
@@ -94,4 +94,4 @@ def _body(rank, world_size, out_dir):
 
 
 def test_corrupt_checkpoint_falls_back_and_a_full_disk_leaves_nothing(tmp_path):
-    run_distributed(_body, 1, str(tmp_path))
+    run_pooled(_body, 1, str(tmp_path))

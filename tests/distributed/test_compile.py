@@ -24,7 +24,7 @@ import torch
 from miles.parallel.compile import resolve_compile
 from miles.parallel.topology import ParallelDims, build_parallel_mesh
 from miles.train.parallelize import parallelize_expert
-from tests.dist_utils import run_distributed
+from tests.dist_utils import run_pooled
 from tests.models import TINY_WAN
 
 pytestmark = pytest.mark.distributed
@@ -89,17 +89,17 @@ def _body(rank: int, world_size: int, ulysses: int, modes: list[str], graph_brea
 
 
 def test_compiled_blocks_match_eager_single_process():
-    run_distributed(_body, 1, 1, ["none", "selective"])
+    run_pooled(_body, 1, 1, ["none", "selective"])
 
 
 def test_compiled_blocks_match_eager_ulysses():
-    run_distributed(_body, 2, 2, ["none"])
+    run_pooled(_body, 2, 2, ["none"])
 
 
 def test_compiled_blocks_match_eager_ring():
     # torch's ring templates are not traceable: Dynamo breaks the graph around them, runs them
     # eagerly, and the blocks still compute what eager mode does.
-    run_distributed(_body, 2, 1, ["none"], graph_breaks=True)
+    run_pooled(_body, 2, 1, ["none"], graph_breaks=True)
 
 
 def test_resolve_compile():

@@ -23,7 +23,7 @@ from miles.parallel.fsdp import apply_fsdp
 from miles.parallel.topology import ParallelDims, build_parallel_mesh
 from miles.train.checkpoint import has_ema, load_checkpoint, save_checkpoint
 from miles.train.ema import EMA
-from tests.dist_utils import run_distributed
+from tests.dist_utils import run_pooled
 from tests.models import TINY_WAN
 
 pytestmark = pytest.mark.distributed
@@ -84,8 +84,8 @@ def _load_body(rank: int, world_size: int, folder: str) -> None:
 
 def test_ema_under_fsdp_checkpointed_across_layouts():
     with tempfile.TemporaryDirectory() as folder:
-        run_distributed(_save_body, 2, folder)
-        run_distributed(_load_body, 1, folder)
+        run_pooled(_save_body, 2, folder)
+        run_pooled(_load_body, 1, folder)
 
 
 def test_ema_decay_is_validated():

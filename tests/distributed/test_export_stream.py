@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist_utils import run_distributed
+from tests.dist_utils import run_pooled
 
 pytestmark = pytest.mark.distributed
 
@@ -164,8 +164,11 @@ def _full(rank, root: Path, model: Path) -> None:
 
     trainer = _trainer(root, model, "full", "--sequence-parallel-size", "2", "--model.dtype", "bfloat16")
     _move_weights(trainer, 1)
-    E.MAX_SHARD_BYTES = 200_000  # several shards per expert (the tiny experts are ~600 kB in fp32)
-    new, old = _export_both(trainer, root, "full")
+    shard_bytes, E.MAX_SHARD_BYTES = E.MAX_SHARD_BYTES, 200_000  # several shards per expert (~600 kB)
+    try:
+        new, old = _export_both(trainer, root, "full")
+    finally:
+        E.MAX_SHARD_BYTES = shard_bytes  # the ranks serve other tests next (run_pooled)
     trainer.close()
     if rank == 0:
         assert sorted(p.name for p in root.iterdir() if p.name.startswith("full_")) == [
@@ -215,4 +218,4 @@ def _body(rank, world_size, root):
 
 def test_streaming_export_equals_the_gathered_export(tmp_path):
     _model_copy(tmp_path)
-    run_distributed(_body, 2, str(tmp_path))
+    run_pooled(_body, 2, str(tmp_path))

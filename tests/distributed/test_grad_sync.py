@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from miles.parallel.topology import ParallelDims, build_parallel_mesh
 from miles.sequence_parallel.attention import find_dispatch_module
 from miles.train.parallelize import parallelize_expert
-from tests.dist_utils import FIXED_SEEDS, run_distributed
+from tests.dist_utils import FIXED_SEEDS, run_pooled
 from tests.models import TINY_WAN
 
 pytestmark = pytest.mark.distributed
@@ -205,4 +205,4 @@ def _grad_sync_body(rank: int, world_size: int, seed: int) -> None:
 
 
 def test_grad_sync_parity_six_layouts_world4():
-    run_distributed(_grad_sync_body, 4, FIXED_SEEDS[2])
+    run_pooled(_grad_sync_body, 4, FIXED_SEEDS[2])

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from miles.parallel.topology import ParallelDims, build_parallel_mesh
 from miles.train.parallelize import parallelize_expert
-from tests.dist_utils import FIXED_SEEDS, run_distributed
+from tests.dist_utils import FIXED_SEEDS, run_pooled
 from tests.distributed.test_grad_sync import make_batch, tiny_wan
 
 pytestmark = pytest.mark.distributed
@@ -117,7 +117,7 @@ def _hsdp_vs_fsdp_body(rank: int, world_size: int, seed: int) -> None:
 
 
 def test_hsdp_gradients_and_losses_match_fsdp_world4():
-    run_distributed(_hsdp_vs_fsdp_body, 4, FIXED_SEEDS[3])
+    run_pooled(_hsdp_vs_fsdp_body, 4, FIXED_SEEDS[3])
 
 
 def _state(model, optimizer) -> dict:
@@ -160,4 +160,4 @@ def _checkpoint_body(rank: int, world_size: int, seed: int, run_dir: str) -> Non
 
 
 def test_dcp_checkpoint_moves_between_hsdp_and_fsdp_bitwise(tmp_path):
-    run_distributed(_checkpoint_body, 4, FIXED_SEEDS[4], str(tmp_path))
+    run_pooled(_checkpoint_body, 4, FIXED_SEEDS[4], str(tmp_path))

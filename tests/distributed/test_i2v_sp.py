@@ -29,7 +29,7 @@ from miles.models.tiny import tiny_model_path
 from miles.parallel.topology import ParallelDims, build_parallel_mesh
 from miles.rollout.sampler import predict_velocity
 from miles.sequence_parallel import apply_sequence_parallel
-from tests.dist_utils import run_distributed
+from tests.dist_utils import run_pooled
 
 pytestmark = pytest.mark.distributed
 
@@ -110,4 +110,4 @@ def test_i2v_velocity_and_gradients_sp2_match_sp1():
     root = ".cache/tiny-wan"
     for variant in VARIANTS:  # built here, not by two ranks at once
         tiny_model_path(root, variant)
-    run_distributed(_body, 2, root)
+    run_pooled(_body, 2, root)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist_utils import FIXED_SEEDS, run_distributed
+from tests.dist_utils import FIXED_SEEDS, run_pooled
 
 pytestmark = pytest.mark.distributed
 
@@ -69,4 +69,4 @@ def _body(rank, world_size, out_dir):
 
 
 def test_kl_with_lora_through_the_trainer(tmp_path):
-    run_distributed(_body, 2, str(tmp_path))
+    run_pooled(_body, 2, str(tmp_path))

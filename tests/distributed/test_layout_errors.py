@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist_utils import run_distributed
+from tests.dist_utils import run_pooled
 
 pytestmark = pytest.mark.distributed
 
@@ -71,5 +71,5 @@ def _body(rank, world_size, model_dir, out_dir):
 def test_every_rank_refuses_a_bad_layout_before_loading_weights(tmp_path):
     folder = _config_only_folder(tmp_path / "wan_configs_only")
     assert not list(folder.rglob("*.safetensors"))
-    run_distributed(_body, 2, str(folder), str(tmp_path / "runs"))
+    run_pooled(_body, 2, str(folder), str(tmp_path / "runs"))
     assert not (tmp_path / "runs").exists()

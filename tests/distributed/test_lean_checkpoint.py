@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist_utils import run_distributed
+from tests.dist_utils import run_pooled
 
 pytestmark = pytest.mark.distributed
 
@@ -170,4 +170,4 @@ def _rewrite_header(folder: Path) -> None:
 def test_lean_checkpoints_resume_bitwise_across_layouts(tmp_path):
     shutil.copytree(TINY, tmp_path / "model")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    run_distributed(_body, 4, str(tmp_path))
+    run_pooled(_body, 4, str(tmp_path))

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist_utils import run_distributed
+from tests.dist_utils import run_pooled
 
 pytestmark = pytest.mark.distributed
 
@@ -144,4 +144,4 @@ def _body(rank, world_size, out_dir):
 
 @pytest.mark.parametrize("world_size", [1, 4], ids=["one_process", "dp2xsp2"])
 def test_lean_rollout_is_bitwise_the_old_rollout(tmp_path, world_size):
-    run_distributed(_body, world_size, str(tmp_path))
+    run_pooled(_body, world_size, str(tmp_path))

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.dist_utils import FIXED_SEEDS, run_distributed
+from tests.dist_utils import FIXED_SEEDS, run_pooled
 
 pytestmark = pytest.mark.distributed
 
@@ -167,7 +167,7 @@ def test_sharded_load_world2_is_bitwise_the_whole_load(folders):
         ("sp1", True, "bfloat16", "bf16", "transformer"),
         ("sp2", False, "bfloat16", "bf16", "transformer"),
     ]
-    run_distributed(_body, 2, folders, cases)
+    run_pooled(_body, 2, folders, cases)
 
 
 def test_sharded_load_world4_and_hsdp_are_bitwise_the_whole_load(folders):
@@ -177,7 +177,7 @@ def test_sharded_load_world4_and_hsdp_are_bitwise_the_whole_load(folders):
         ("hsdp", False, "float32", "single", "transformer"),
         ("hsdp", True, "bfloat16", "sharded", "transformer_2"),
     ]
-    run_distributed(_body, 4, folders, cases)
+    run_pooled(_body, 4, folders, cases)
 
 
 def _trainer(out_dir, name, *args):
@@ -234,7 +234,7 @@ def _copies_body(rank, world_size, out_dir):
 
 
 def test_old_policy_and_kl_reference_are_the_policy_shard_by_shard(tmp_path):
-    run_distributed(_copies_body, 2, str(tmp_path))
+    run_pooled(_copies_body, 2, str(tmp_path))
 
 
 def _random_body(rank, world_size, folder, out_file, sp):
@@ -264,8 +264,8 @@ def test_random_init_reads_no_weight_file_and_is_the_same_in_every_layout(tmp_pa
         ignore=shutil.ignore_patterns("*.safetensors*", "*.bin"),
     )
     assert not list(folder.rglob("*.safetensors"))
-    run_distributed(_random_body, 2, str(folder), str(tmp_path / "w2.pt"), 2)
-    run_distributed(_random_body, 1, str(folder), str(tmp_path / "w1.pt"), 1)
+    run_pooled(_random_body, 2, str(folder), str(tmp_path / "w2.pt"), 2)
+    run_pooled(_random_body, 1, str(folder), str(tmp_path / "w1.pt"), 1)
     w1, w2 = torch.load(tmp_path / "w1.pt"), torch.load(tmp_path / "w2.pt")
     assert w1.keys() == w2.keys()
     for key in w1:

@@ -27,7 +27,7 @@ from miles.models.tiny import TINY_TRANSFORMER
 from miles.parallel.topology import ParallelDims, build_parallel_mesh
 from miles.rollout.sampler import predict_velocity
 from miles.train.parallelize import parallelize_expert
-from tests.dist_utils import run_distributed
+from tests.dist_utils import run_pooled
 
 pytestmark = pytest.mark.distributed
 
@@ -88,4 +88,4 @@ def test_trainer_model_is_bitwise_the_stock_bf16_model():
     seed = 1234  # fixed: a failure reproduces
     with tempfile.TemporaryDirectory() as folder:
         _fp32_checkpoint(folder, seed)
-        run_distributed(_body, 2, folder, seed)
+        run_pooled(_body, 2, folder, seed)

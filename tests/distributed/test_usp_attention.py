@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from miles.parallel.topology import ParallelDims, build_parallel_mesh
 from miles.sequence_parallel import gather_sequence, shard_sequence, usp_attention
-from tests.dist_utils import FIXED_SEEDS, run_distributed
+from tests.dist_utils import FIXED_SEEDS, run_pooled
 
 pytestmark = pytest.mark.distributed
 
@@ -101,11 +101,11 @@ def _gather_backward_body(rank, world_size):
 def test_usp_attention_world4():
     seed = FIXED_SEEDS[0]
     bands = [(u, dtype) for u in (4, 2, 1) for dtype in DTYPES]  # u4r1, u2r2, u1r4
-    run_distributed(_bands_body, 4, bands, seed)
+    run_pooled(_bands_body, 4, bands, seed)
 
 
 def test_usp_attention_world2_and_gather_backward():
     seed = FIXED_SEEDS[1]
     bands = [(u, dtype) for u in (2, 1) for dtype in DTYPES]  # u2r1, u1r2
-    run_distributed(_bands_body, 2, bands, seed)
-    run_distributed(_gather_backward_body, 2)
+    run_pooled(_bands_body, 2, bands, seed)
+    run_pooled(_gather_backward_body, 2)

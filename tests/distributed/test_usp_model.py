@@ -29,7 +29,7 @@ import torch.distributed as dist
 from miles.parallel.topology import ParallelDims, build_parallel_mesh
 from miles.sequence_parallel import apply_sequence_parallel, sequence_parallel_plan
 from miles.sequence_parallel.attention import find_dispatch_module
-from tests.dist_utils import FIXED_SEEDS, run_distributed
+from tests.dist_utils import FIXED_SEEDS, run_pooled
 from tests.models import TINY_WAN
 
 pytestmark = pytest.mark.distributed
@@ -182,14 +182,14 @@ def _sp1_and_failures_body(rank, world_size, seed):
 
 def test_usp_model_t2v_world4():
     # u4r1 Ulysses, u2r2 hybrid, u1r4 ring
-    run_distributed(_model_body, 4, "t2v", [4, 2, 1], FIXED_SEEDS[6])
+    run_pooled(_model_body, 4, "t2v", [4, 2, 1], FIXED_SEEDS[6])
 
 
 def test_usp_model_i2v_and_2d_timestep_with_checkpointing_world2():
     seed = FIXED_SEEDS[7]
-    run_distributed(_model_body, 2, "i2v", [2, 1], seed)
-    run_distributed(_model_body, 2, "ts2d", [2, 1], seed, True)
+    run_pooled(_model_body, 2, "i2v", [2, 1], seed)
+    run_pooled(_model_body, 2, "ts2d", [2, 1], seed, True)
 
 
 def test_usp_model_sp1_noop_and_failures_world2():
-    run_distributed(_sp1_and_failures_body, 2, FIXED_SEEDS[8])
+    run_pooled(_sp1_and_failures_body, 2, FIXED_SEEDS[8])

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from miles.parallel.topology import ParallelDims, build_parallel_mesh, resolve_ulysses_degree
 from miles.sequence_parallel import apply_sequence_parallel, shard_sequence, usp_attention
 from miles.sequence_parallel.comm import padded_chunk
-from tests.dist_utils import FIXED_SEEDS, run_distributed
+from tests.dist_utils import FIXED_SEEDS, run_pooled
 from tests.distributed.test_usp_attention import RING_TOL, _full_reference
 from tests.distributed.test_usp_model import GRAD_TOL, OUT_RING_TOL, forward_backward, tiny_wan
 
@@ -202,7 +202,7 @@ def test_usp_uneven_world4():
         (6, 0, (2, 6, 10), True, False),  # S = 30, 6 heads -> auto u2r2, 2-D timestep
         (4, 1, (3, 2, 22), False, False),  # S = 33, u1r4
     ]
-    run_distributed(_body, 4, op_cases, model_cases, FIXED_SEEDS[4])
+    run_pooled(_body, 4, op_cases, model_cases, FIXED_SEEDS[4])
 
 
 def test_usp_uneven_world2():
@@ -214,7 +214,7 @@ def test_usp_uneven_world2():
         (4, 2, (1, 2, 74), False, False),  # S = 37, u2r1: bitwise
         (4, 1, (1, 2, 74), False, True),  # S = 37, u1r2, gradient checkpointing
     ]
-    run_distributed(_body, 2, op_cases, model_cases, FIXED_SEEDS[5])
+    run_pooled(_body, 2, op_cases, model_cases, FIXED_SEEDS[5])
 
 
 # --- the padded ring step with every kernel, one process ------------------------------------------

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from miles.parallel.fsdp import unsharded_for_rollout
-from tests.dist_utils import FIXED_SEEDS, run_distributed
+from tests.dist_utils import FIXED_SEEDS, run_pooled
 from tests.distributed.test_grad_sync import (
     LAYOUTS,
     build_layout,
@@ -139,4 +139,4 @@ def _weight_sync_body(rank: int, world_size: int, seed: int) -> None:
 
 
 def test_weight_sync_parity_world4():
-    run_distributed(_weight_sync_body, 4, FIXED_SEEDS[3])
+    run_pooled(_weight_sync_body, 4, FIXED_SEEDS[3])

@@ -17,17 +17,20 @@ the bands' recipe, whose sharpness reward is continuous).
 - AWM, DGPO and online DPO at dp2 and at dp2 x sp2 (Ulysses) in deterministic mode: the same
   losses and gradient norms step by step, and at the first step (initial weights) the values
   that an untrained lagging copy and reference imply.
+
+The runs share the session's torchrun launches with the other modules' (``tests/e2e/conftest.py``).
 """
 
 from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch.distributed.checkpoint as dcp
 
-from tests.e2e.test_train import _launch
+from tests.e2e.test_train import TINY_RECIPE, check_log
 
 pytestmark = pytest.mark.e2e
 
@@ -54,34 +57,7 @@ def _agree(first: list[dict], second: list[dict]) -> None:
                 )  # the GRPO bands tolerance
 
 
-def test_nft_sequence_parallel_parity(tmp_path):
-    dp2 = _rows(_launch(tmp_path, "nft_dp2", *NFT, *BANDS, nproc=2))
-    run = _launch(tmp_path, "nft_dp2sp2", *NFT, *SP2, *BANDS)
-    sp = _rows(run)
-    _agree(dp2, sp)
-    firsts = [r for r in sp if "reward/mean" in r]
-    assert [r["train/old_decay"] for r in firsts] == pytest.approx([0.002, 0.004])  # 0.001 * step
-    assert firsts[0]["train/old_deviation"] == 0.0  # the first step: old and trained weights equal
-    assert firsts[1]["train/old_deviation"] > 0.0  # the old policy lags after the soft update
-    meta = dcp.FileSystemReader(str(run / "checkpoints" / "step_000004")).read_metadata()
-    assert any(k.startswith("old_policy.") for k in meta.state_dict_metadata)
-
-
-def test_nft_dp_layouts_agree(tmp_path):
-    dp4 = _rows(_launch(tmp_path, "nft_dp4", *NFT, *BANDS))
-    sp = _rows(_launch(tmp_path, "nft_dp2sp2", *NFT, *SP2, *BANDS, "--data.prompts-per-rank", "4"))
-    _agree(dp4, sp)
-
-
-@pytest.mark.parametrize(
-    "flags", [["--algorithm.name", "grpo_guard"], ["--rollout.sde-type", "cps"]], ids=["guard", "cps"]
-)
-def test_sde_variants_train(tmp_path, flags):
-    rows = _rows(_launch(tmp_path, "run", *flags, *SP2, "--train.no-export"))
-    firsts = [r for r in rows if "reward/mean" in r]
-    assert [r["train/ratio"] for r in firsts] == [1.0, 1.0]
-    assert all(r["train/log_prob_mean_abs_diff"] == 0.0 for r in firsts)
-    assert any(r["train/ratio"] != 1.0 for r in rows if "reward/mean" not in r)
+SDE_VARIANTS = {"guard": ["--algorithm.name", "grpo_guard"], "cps": ["--rollout.sde-type", "cps"]}
 
 
 # AWM, DGPO and online DPO: CFG-free ODE rollouts on the bands' recipe (4 denoising steps, so 2
@@ -94,15 +70,64 @@ MATCHING = {
 }
 
 
+def _matching(algorithm: str) -> list[str]:
+    flags = ["--algorithm.name", algorithm, *MATCHING[algorithm], "--rollout.guidance-scale", "1.0"]
+    return [*TINY_RECIPE, *flags, "--deterministic-mode", "--train.steps-per-rollout", "1", *BANDS]
+
+
+SHARED_RUNS = {  # tests/e2e/conftest.py
+    2: {
+        "nft_dp2": [*TINY_RECIPE, *NFT, *BANDS],
+        **{f"{a}_dp2": _matching(a) for a in MATCHING},
+    },
+    4: {
+        "nft_dp2sp2": [*TINY_RECIPE, *NFT, *SP2, *BANDS],
+        "nft_dp4": [*TINY_RECIPE, *NFT, *BANDS],
+        "nft_dp2sp2_ppr4": [*TINY_RECIPE, *NFT, *SP2, *BANDS, "--data.prompts-per-rank", "4"],
+        **{name: [*TINY_RECIPE, *flags, *SP2, "--train.no-export"] for name, flags in SDE_VARIANTS.items()},
+        **{f"{a}_dp2sp2": [*_matching(a), *SP2] for a in MATCHING},
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def runs(shared_runs) -> dict[str, Path]:
+    return {name: check_log(shared_runs[name]) for named in SHARED_RUNS.values() for name in named}
+
+
+def test_nft_sequence_parallel_parity(runs):
+    dp2 = _rows(runs["nft_dp2"])
+    run = runs["nft_dp2sp2"]
+    sp = _rows(run)
+    _agree(dp2, sp)
+    firsts = [r for r in sp if "reward/mean" in r]
+    assert [r["train/old_decay"] for r in firsts] == pytest.approx([0.002, 0.004])  # 0.001 * step
+    assert firsts[0]["train/old_deviation"] == 0.0  # the first step: old and trained weights equal
+    assert firsts[1]["train/old_deviation"] > 0.0  # the old policy lags after the soft update
+    meta = dcp.FileSystemReader(str(run / "checkpoints" / "step_000004")).read_metadata()
+    assert any(k.startswith("old_policy.") for k in meta.state_dict_metadata)
+
+
+def test_nft_dp_layouts_agree(runs):
+    _agree(_rows(runs["nft_dp4"]), _rows(runs["nft_dp2sp2_ppr4"]))
+
+
+@pytest.mark.parametrize("name", list(SDE_VARIANTS))
+def test_sde_variants_train(runs, name):
+    rows = _rows(runs[name])
+    firsts = [r for r in rows if "reward/mean" in r]
+    assert [r["train/ratio"] for r in firsts] == [1.0, 1.0]
+    assert all(r["train/log_prob_mean_abs_diff"] == 0.0 for r in firsts)
+    assert any(r["train/ratio"] != 1.0 for r in rows if "reward/mean" not in r)
+
+
 @pytest.mark.parametrize("algorithm", list(MATCHING))
-def test_matching_algorithms_sequence_parallel_parity(tmp_path, algorithm):
+def test_matching_algorithms_sequence_parallel_parity(runs, algorithm):
     """dp2 and dp2 x sp2 (Ulysses) agree step by step; the first step runs with the initial weights,
     so the lagging copy and the reference equal the trained policy there: AWM's EMA term is 0,
     DGPO's group weights are sigmoid(0) = 0.5 with nothing clipped, DPO's loss is log 2."""
-    flags = ["--algorithm.name", algorithm, *MATCHING[algorithm], "--rollout.guidance-scale", "1.0"]
-    flags += ["--deterministic-mode", "--train.steps-per-rollout", "1", *BANDS]
-    dp2 = _rows(_launch(tmp_path, f"{algorithm}_dp2", *flags, nproc=2))
-    sp = _rows(_launch(tmp_path, f"{algorithm}_dp2sp2", *flags, *SP2))
+    dp2 = _rows(runs[f"{algorithm}_dp2"])
+    sp = _rows(runs[f"{algorithm}_dp2sp2"])
     assert [r["step"] for r in dp2] == [r["step"] for r in sp] == [1, 2]
     for a, b in zip(dp2, sp):
         for key in ("reward/mean", "train/loss", "train/grad_norm", "train/matching_loss"):

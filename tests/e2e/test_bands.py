@@ -15,33 +15,94 @@ Asserted here from the script's exit code and its ``bands.json``:
   10 x head + 1e-6 (measured: exactly 0 on CPU fp32 in every band);
 - deterministic double run: every metrics.jsonl value except wall-clock times, throughput and
   memory, and every tensor of the checkpoint (model and AdamW state), bitwise equal.
-About 5 minutes on 2 cores (10 launches at ~12 s start-up each).
+The script's 10 launches are made here as 2 (``tests/e2e/multi_run.py``): the first runs of every
+band in the session's shared launch (``tests/e2e/conftest.py``), the second runs in one of their
+own; the script's own analysis and report run unchanged on their outputs.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
+import tempfile
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
+import bench.e2e_bands as B
+from tests.e2e.multi_run import launch_runs
+
 pytestmark = pytest.mark.e2e
 
-REPO = Path(__file__).resolve().parents[2]
 BANDS = {"sp1", "u4r1", "u2r2", "u1r4", "dp2xu2"}
+NPROC = 4
 
 
-def test_e2e_bands_double_run(tmp_path):
-    out = tmp_path / "bands"
-    cmd = [sys.executable, "bench/e2e_bands.py", "--out", str(out), "--rollouts", "5"]
-    cmd += ["--double-run", "--rerun-rollouts", "2"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1500, check=False)
-    report = (out / "bands.md").read_text() if (out / "bands.md").exists() else proc.stdout[-5000:]
-    assert proc.returncode == 0, f"e2e_bands failed (rc {proc.returncode}):\n{report}\n{proc.stderr[-5000:]}"
+def _train_flags(
+    args, band: str, sp: int, ulysses: int, name: str, rollouts: int, ckpt_every: int
+) -> list[str]:
+    """The train_grpo.py flags of e2e_bands' launch of ``name``, recorded from its own ``launch``
+    (without the output folder and run name, which ``launch_runs`` sets)."""
+    recorded = []
+
+    def record(cmd, **kwargs):
+        recorded.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    with mock.patch.object(B.subprocess, "run", record):
+        B.launch(args, band, sp, ulysses, name, rollouts, ckpt_every)
+    (cmd,) = recorded
+    flags = cmd[cmd.index("train_grpo.py") + 1 :]
+    for key in ("--run.output-dir", "--run.name"):
+        at = flags.index(key)
+        del flags[at : at + 2]
+    return flags
+
+
+ARGV = ["--rollouts", "5", "--double-run", "--rerun-rollouts", "2"]
+
+
+def _launches() -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+    """e2e_bands' first runs and second runs (name: flags), as ``e2e_bands.run_band`` makes them
+    (recorded into a scratch folder: ``launch`` clears the run folder it is about to fill)."""
+    with tempfile.TemporaryDirectory() as scratch:
+        args = B.parse_args(["--out", scratch, *ARGV])
+        args.out = Path(scratch).resolve()
+        # as run_band: the first run checkpoints where the second one ends
+        ckpt_every = args.rerun_rollouts if args.rerun_rollouts < args.rollouts else 0
+        firsts = {b: _train_flags(args, b, sp, u, b, args.rollouts, ckpt_every) for b, sp, u in B.BANDS}
+        reruns = {
+            f"{b}_rerun": _train_flags(args, b, sp, u, f"{b}_rerun", args.rerun_rollouts, 0)
+            for b, sp, u in B.BANDS
+        }
+    return firsts, reruns
+
+
+def SHARED_RUNS() -> dict[int, dict[str, list[str]]]:  # noqa: N802 (tests/e2e/conftest.py)
+    """The first runs go into the session's shared 4-process launch."""
+    return {NPROC: _launches()[0]}
+
+
+def test_e2e_bands_double_run(shared_runs, shared_root):
+    """``bench/e2e_bands.py --double-run``, its launches made as two torchrun launches: every band's
+    first run in the session's shared launch, every second run in one launch of its own (so each
+    double run still compares two processes); the script's analysis and report run unchanged."""
+    out = shared_root.parent
+    firsts, reruns = _launches()
+    runs = {name: shared_runs[name] for name in firsts}
+    runs.update(launch_runs(shared_root, reruns, nproc=NPROC, env={"WANDB_MODE": "disabled"}))
+
+    def replay(args, band, sp, ulysses, name, rollouts, ckpt_every):
+        assert runs[name].run_dir == args.out / "runs" / name
+        (args.out / "logs").mkdir(parents=True, exist_ok=True)
+        (args.out / "logs" / f"{name}.log").write_text(runs[name].output)
+        return 0, runs[name].output, runs[name].seconds
+
+    with mock.patch.object(B, "launch", replay):
+        code = B.main(["--out", str(out), *ARGV])
+    report = (out / "bands.md").read_text() if (out / "bands.md").exists() else ""
+    assert code == 0, f"e2e_bands failed:\n{report}"
 
     summary = json.loads((out / "bands.json").read_text())
     assert summary["ok"] and all(c["ok"] for c in summary["checks"].values()), report

@@ -1,6 +1,7 @@
 """Export through the real launcher: the diffusers folders a run leaves under ``<run>/export``.
 
-Two 2-process torchrun runs of the tiny two-expert recipe, one rollout (2 optimizer steps) each:
+Two 2-process runs of the tiny two-expert recipe (in the session's shared torchrun launch,
+``tests/e2e/conftest.py``), one rollout (2 optimizer steps) each:
 
 - full fine-tune at dp1 x sp2 (the experts carry the sequence-parallel install when gathered):
   ``WanPipeline.from_pretrained(<run>/export/pipeline)`` loads, and both experts' weights equal the
@@ -19,8 +20,6 @@ About 30 s on 2 cores.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -34,21 +33,10 @@ EXPERTS = ("transformer", "transformer_2")
 LORA_RANK, LORA_ALPHA = 4, 64.0
 
 
-def _train(root: Path, name: str, *flags: str) -> Path:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    cmd += ["--max-restarts", "0", "train_grpo.py", "--config", "configs/tiny_cpu.yaml"]
-    cmd += ["--run.output-dir", str(root), "--run.name", name, "--run.wandb-mode", "disabled"]
-    cmd += ["--run.no-progress", "--train.num-rollouts", "1", "--model.tiny-model-dir", str(TINY.parent)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    env.pop("MILES_FAULT_KILL", None)
-    proc = subprocess.run(
-        [*cmd, *flags], cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False
-    )
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"training run failed (rc {proc.returncode}):\n{out[-6000:]}"
-    assert "[miles] exported the trained model to" in out, out[-3000:]
-    assert "should be kept in float32" not in out, "the export cast the fp32-kept modules"
-    return root / name
+def _check_run(run) -> Path:
+    assert "[miles] exported the trained model to" in run.output, run.output[-3000:]
+    assert "should be kept in float32" not in run.output, "the export cast the fp32-kept modules"
+    return run.run_dir
 
 
 def _final_checkpoint(run_dir: Path, tmp: Path) -> list[dict[str, torch.Tensor]]:
@@ -65,12 +53,19 @@ def _final_checkpoint(run_dir: Path, tmp: Path) -> list[dict[str, torch.Tensor]]
     return experts
 
 
+_BASE = ["--config", "configs/tiny_cpu.yaml", "--run.wandb-mode", "disabled", "--run.no-progress"]
+_BASE += ["--train.num-rollouts", "1", "--model.tiny-model-dir", str(TINY.parent)]
+SHARED_RUNS = {  # tests/e2e/conftest.py
+    2: {
+        "full": [*_BASE, "--sequence-parallel-size", "2", "--ulysses-degree", "2"],
+        "lora": [*_BASE, "--model.lora-rank", str(LORA_RANK), "--model.lora-alpha", str(LORA_ALPHA)],
+    }
+}
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("export")
-    full = _train(root, "full", "--sequence-parallel-size", "2", "--ulysses-degree", "2")
-    lora = _train(root, "lora", "--model.lora-rank", str(LORA_RANK), "--model.lora-alpha", str(LORA_ALPHA))
-    return {"full": full, "lora": lora}
+def runs(shared_runs):
+    return {name: _check_run(shared_runs[name]) for name in SHARED_RUNS[2]}
 
 
 def _pipeline(path: Path):

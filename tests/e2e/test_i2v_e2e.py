@@ -7,58 +7,45 @@ same condition, repeats the rollout's arithmetic), the gradient is non-zero, and
 an export of the folder's pipeline class are written. TI2V also evaluates held-out image prompts.
 (Measured once, not kept for its cost: TI2V at dp4 samples the same rollout as at dp2 x sp2 —
 the same min and max reward, mean and std within 1e-6 relative, the fp32 order of the dp gather.
-SP parity is held at model level by ``tests/distributed/test_i2v_sp.py``.)
+SP parity is held at model level by ``tests/distributed/test_i2v_sp.py``.) The runs share one
+torchrun launch with the other modules' (``tests/e2e/conftest.py``).
 """
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 pytestmark = pytest.mark.e2e
 
-ROOT = Path(__file__).resolve().parents[2]
-TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+
+VARIANTS = ["i2v", "i2v_two_expert", "ti2v"]
 
 
-def _launch(tmp_path: Path, name: str, *flags: str) -> Path:
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", WANDB_MODE="disabled")
-    cmd = [
-        TORCHRUN,
-        "--standalone",
-        "--nproc-per-node",
-        "4",
-        "train_grpo.py",
-        "--config",
-        "configs/tiny_i2v_cpu.yaml",
-    ]
-    cmd += [
-        "--run.output-dir",
-        str(tmp_path),
-        "--run.name",
-        name,
-        "--run.no-progress",
-        "--train.num-rollouts",
-        "1",
-    ]
-    proc = subprocess.run([*cmd, *flags], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return tmp_path / name
+def _flags(variant: str) -> list[str]:
+    flags = ["--config", "configs/tiny_i2v_cpu.yaml", "--run.no-progress", "--train.num-rollouts", "1"]
+    flags += ["--run.wandb-mode", "disabled"]
+    flags += ["--model.tiny-variant", variant, "--sequence-parallel-size", "2", "--ulysses-degree", "2"]
+    if variant == "ti2v":
+        flags += ["--eval.prompt-file", "miles/data/tiny_i2v/prompts.jsonl", "--eval.num-seeds", "1"]
+    return flags
+
+
+SHARED_RUNS = {4: {v: _flags(v) for v in VARIANTS}}  # tests/e2e/conftest.py
+
+
+@pytest.fixture(scope="module")
+def runs(shared_runs) -> dict[str, Path]:
+    return {v: shared_runs[v].run_dir for v in VARIANTS}
 
 
 def _rows(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("variant", ["i2v", "i2v_two_expert", "ti2v"])
-def test_i2v_grpo_trains_at_dp2_sp2(tmp_path, variant):
-    flags = ["--model.tiny-variant", variant, "--sequence-parallel-size", "2", "--ulysses-degree", "2"]
-    if variant == "ti2v":
-        flags += ["--eval.prompt-file", "miles/data/tiny_i2v/prompts.jsonl", "--eval.num-seeds", "1"]
-    run = _launch(tmp_path, "dp2sp2", *flags)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_i2v_grpo_trains_at_dp2_sp2(runs, variant):
+    run = runs[variant]
     rows = _rows(run)
     assert [r["step"] for r in rows] == [1, 2]
     first = rows[0]

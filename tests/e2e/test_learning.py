@@ -1,6 +1,6 @@
 """The learning test: RL on the tiny world raises held-out adherence; its negated control does not.
 
-Two torchrun launches of ``configs/world_cpu.yaml`` at dp2 in deterministic mode, DiffusionNFT
+Two runs of ``configs/world_cpu.yaml`` (one torchrun launch) at dp2 in deterministic mode, DiffusionNFT
 (CFG-free, as the recipe: rollouts and evaluation at guidance 1), the benchmark's global batch (8
 prompt groups of 8 per rollout, 2 optimizer steps), 5 rollouts, the same seeds: one trained on the
 reward, one with the advantages negated. The held-out evaluation (8
@@ -21,7 +21,7 @@ negated, per (prompt, seed) pair) has a paired standard error SE = std / sqrt(32
 
 Measured (2-core machine): trained 0.295 -> 0.347 (+0.052; paired SE of the change 0.018),
 negated 0.295 -> 0.241 (-0.053), separation 0.106 with SE 0.025 (4.2 SE); the same 0.347 as the
-benchmark's dp4 run at step 10 (the same global batch in another layout). 2 launches, ~3 min.
+benchmark's dp4 run at step 10 (the same global batch in another layout). ~3 min.
 The benchmark (bench/learning.py) runs the long curves, in two layouts, for every algorithm.
 """
 
@@ -33,7 +33,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.world_launch import launch_world
+from tests.world_launch import NPROC, WORLD
 
 pytestmark = pytest.mark.e2e
 
@@ -49,8 +49,8 @@ FLAGS = [
 ]
 
 
-def _launch(root: Path, name: str, *flags: str) -> Path:
-    return launch_world(root, name, *FLAGS, *flags, timeout_s=900)
+# in the session's shared launch (tests/e2e/conftest.py)
+SHARED_RUNS = {NPROC: {"trained": [*WORLD, *FLAGS], "negated": [*WORLD, *FLAGS, "--grpo.negate-advantages"]}}
 
 
 def _scores(run: Path, step: int) -> list[float]:
@@ -67,17 +67,8 @@ def _mean_se(values: list[float]) -> tuple[float, float]:
     return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n)
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("learning")
-    return {
-        "trained": _launch(root, "trained"),
-        "negated": _launch(root, "negated", "--grpo.negate-advantages"),
-    }
-
-
-def test_heldout_adherence_rises_and_the_negated_control_does_not(runs):
-    trained, negated = runs["trained"], runs["negated"]
+def test_heldout_adherence_rises_and_the_negated_control_does_not(shared_runs):
+    trained, negated = shared_runs["trained"].run_dir, shared_runs["negated"].run_dir
     base, base_negated = _scores(trained, 0), _scores(negated, 0)
     final, final_negated = _scores(trained, 2 * NUM_ROLLOUTS), _scores(negated, 2 * NUM_ROLLOUTS)
     rise, rise_se = _mean_se([a - b for a, b in zip(final, base)])

@@ -3,12 +3,13 @@
 Every run is ``torchrun --standalone --nproc-per-node 4 --max-restarts 0 train_grpo.py`` on the tiny
 recipe (``configs/tiny_cpu.yaml``) in deterministic mode, checkpointing after every rollout
 (``train.steps_per_rollout`` 2: checkpoints at steps 2, 4, 6). The module shares one uninterrupted
-dp4 run of 3 rollouts (6 optimizer steps) as the reference.
+dp4 run of 3 rollouts (6 optimizer steps) as the reference (a run of the session's shared launch,
+``tests/e2e/conftest.py``).
 
 - ``test_kill_mid_step_then_resume_is_bitwise_exact``: ``MILES_FAULT_KILL=1:5`` SIGKILLs rank 1 in
   the middle of optimizer step 5 (rollout 2). The launch must fail promptly (torchrun tears the
   other ranks down; no hang until the collective timeout), leave only complete checkpoints
-  (step 2, step 4), and the same command without the variable must resume from step 4 —
+  (step 2, step 4), and the same flags without the variable must resume from step 4 —
   ignoring a stale ``.partial`` and a newer ``step_*`` folder without ``COMPLETE`` planted next
   to them — and reach the reference's weights sha256 at step 6 and its metrics.jsonl rows
   (last row per step; wall-clock, throughput and memory keys left out) bitwise.
@@ -18,7 +19,10 @@ dp4 run of 3 rollouts (6 optimizer steps) as the reference.
   checkpoint then loads back at dp4 (same digest) and continues. The global batch stays 8 prompt
   groups (prompts-per-rank 2 at dp4, 4 at dp2, 8 at dp1).
 
-About 3 minutes on 2 cores (6 launches).
+The launches that must crash, stop or refuse (the kill, SIGTERM, Ctrl-C, the refused rerun) run one
+per launch; every relaunch after them (the two resumes, the overwriting rerun, both layouts' resumes)
+then shares ONE launch (``tests/e2e/multi_run.py``: ``train_grpo.main`` run after run in one
+process group), and the resume back at dp4 one more: 6 launches and the shared reference run.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from pathlib import Path
 import pytest
 
 from tests.dist_utils import FINISHED_ENV, finished_ranks, may_retry
+from tests.e2e.multi_run import launch_runs
 
 pytestmark = pytest.mark.e2e
 
@@ -49,6 +54,11 @@ RESUMED = re.compile(
     r"\[miles\] resumed from (\S+) \(step (\d+), rollout (\d+); saved at dp (\d+) x sp (\d+), "
     r"now dp (\d+) x sp (\d+)\) \(weights sha256 ([0-9a-f]{64})\)"
 )
+
+
+RECIPE = ["--config", "configs/tiny_cpu.yaml", "--run.wandb-mode", "disabled", "--run.no-progress"]
+RECIPE += ["--deterministic-mode", "--train.weight-digest", "--train.no-export"]
+RECIPE += ["--train.checkpoint-every", "1", "--train.steps-per-rollout", "2"]
 
 
 @dataclass
@@ -79,10 +89,8 @@ def launch(
     ``interrupt_after``: SIGINT the launch's whole process group (torchrun and every worker, as a
     Ctrl-C in a terminal does) as soon as an output line starts with this text."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
-    cmd += ["--max-restarts", "0", "train_grpo.py", "--config", "configs/tiny_cpu.yaml"]
-    cmd += ["--run.output-dir", str(root), "--run.name", name, "--run.wandb-mode", "disabled"]
-    cmd += ["--run.no-progress", "--deterministic-mode", "--train.weight-digest", "--train.no-export"]
-    cmd += ["--train.checkpoint-every", "1", "--train.steps-per-rollout", "2", *flags]
+    cmd += ["--max-restarts", "0", "train_grpo.py", *RECIPE]
+    cmd += ["--run.output-dir", str(root), "--run.name", name, *flags]
     finished_dir = Path(tempfile.mkdtemp(prefix="finished_", dir=root))
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
     full_env[FINISHED_ENV] = str(finished_dir)
@@ -161,21 +169,89 @@ def checkpoint_names(run_dir: Path) -> list[str]:
     return sorted(p.name for p in (run_dir / "checkpoints").iterdir())
 
 
+# The uninterrupted dp4 run: 3 rollouts, checkpoints at steps 2, 4, 6 (keeps all three); in the
+# session's shared launch (tests/e2e/conftest.py). Its time excludes the launch's start-up.
+SHARED_RUNS = {
+    4: {"resume_reference": [*RECIPE, "--train.num-rollouts", "3", "--train.keep-checkpoints", "3"]}
+}
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Launch:
-    """The uninterrupted dp4 run: 3 rollouts, checkpoints at steps 2, 4, 6 (keeps all three)."""
-    root = tmp_path_factory.mktemp("resume")
-    run = launch_ok(root, "reference", "--train.num-rollouts", "3", "--train.keep-checkpoints", "3")
+def reference(shared_runs) -> Launch:
+    shared = shared_runs["resume_reference"]
+    run = Launch(0, shared.output, shared.seconds, shared.run_dir, shared.run_dir.parent)
     assert sorted(run.saved()) == [2, 4, 6], run.output[-3000:]
     assert sorted(last_rows(run.run_dir)) == [1, 2, 3, 4, 5, 6]
     return run
 
 
-def test_kill_mid_step_then_resume_is_bitwise_exact(reference):
-    root = reference.run_dir.parent
-    flags = ("--train.num-rollouts", "3", "--train.keep-checkpoints", "3")
+KILL_FLAGS = ["--train.num-rollouts", "3", "--train.keep-checkpoints", "3"]
+SIGNAL_FLAGS = ["--train.num-rollouts", "3", "--train.checkpoint-every", "0"]
+RERUN_FLAGS = ["--train.no-resume", "--train.num-rollouts", "1"]
 
-    crashed = launch(root, "killed", *flags, env={"MILES_FAULT_KILL": "1:5"})
+
+def _files(run_dir: Path) -> dict[Path, bytes]:
+    return {p.relative_to(run_dir): p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+
+
+def _plant_decoys(run_dir: Path) -> None:
+    """Decoys newer than step 4: a stale .partial (even with a marker) and a step folder without one."""
+    if not (run_dir / "checkpoints").is_dir():
+        return  # the crash left no checkpoint: the test says so
+    for decoy in ("step_000005", "step_000006.partial"):
+        (run_dir / "checkpoints" / decoy).mkdir()
+        (run_dir / "checkpoints" / decoy / ".metadata").write_bytes(b"not a DCP checkpoint")
+    (run_dir / "checkpoints" / "step_000006.partial" / "COMPLETE").write_text("6\n")
+
+
+@pytest.fixture(scope="module")
+def launches(reference) -> dict:
+    """The module's launches. Those that must crash, stop or refuse run one per launch, and what
+    they leave is recorded; then ONE launch (tests/e2e/multi_run.py) relaunches them all — the
+    killed run and the stopped run resume, the refused one restarts with --train.overwrite — and
+    resumes the reference's step-6 checkpoint in both other layouts."""
+    root = reference.run_dir.parent
+    got = {"killed": launch(root, "killed", *KILL_FLAGS, env={"MILES_FAULT_KILL": "1:5"})}
+    run_dir = got["killed"].run_dir
+    names = checkpoint_names(run_dir) if (run_dir / "checkpoints").is_dir() else []
+    got["killed_left"] = (
+        names,
+        all((run_dir / "checkpoints" / n / "COMPLETE").is_file() for n in names),
+        sorted(last_rows(run_dir)) if (run_dir / "metrics.jsonl").is_file() else [],
+    )
+    _plant_decoys(run_dir)
+
+    got["sigterm"] = launch(root, "sigterm", *SIGNAL_FLAGS, env={"MILES_FAULT_SIGNAL": "2:1"})
+    run_dir = got["sigterm"].run_dir
+    got["sigterm_left"] = (
+        checkpoint_names(run_dir) if (run_dir / "checkpoints").is_dir() else [],
+        sorted(last_rows(run_dir)) if (run_dir / "metrics.jsonl").is_file() else [],
+    )
+    got["ctrl_c"] = launch(root, "ctrl_c", *SIGNAL_FLAGS, interrupt_after="[rollout 0]")
+
+    run_dir = root / "rerun"
+    shutil.copytree(reference.run_dir, run_dir)
+    (run_dir / "export" / "pipeline").mkdir(parents=True)  # as a run with train.export leaves it
+    got["rerun_before"] = _files(run_dir)
+    got["refused"] = launch(root, "rerun", *RERUN_FLAGS)
+    got["rerun_after"] = _files(run_dir)
+
+    for name, *_ in LAYOUTS:
+        _copy_run(reference.run_dir, root / name, 6)
+    again = {
+        "killed": [*RECIPE, *KILL_FLAGS],
+        "sigterm": [*RECIPE, *SIGNAL_FLAGS],
+        "rerun": [*RECIPE, *RERUN_FLAGS, "--train.overwrite"],
+        **{name: [*RECIPE, *_layout_flags(sp, u, ppr, 4)] for name, sp, u, ppr, _ in LAYOUTS},
+    }
+    relaunched = launch_runs(root, again, nproc=4, env={"WANDB_MODE": "disabled"}, timeout_s=900)
+    for name, r in relaunched.items():
+        got[f"{name}_again"] = Launch(0, r.output, r.seconds, r.run_dir, root)
+    return got
+
+
+def test_kill_mid_step_then_resume_is_bitwise_exact(reference, launches):
+    crashed = launches["killed"]
     assert crashed.returncode != 0, crashed.output[-3000:]
     assert "SIGKILL" in crashed.output or "exitcode  : -9" in crashed.output, crashed.output[-3000:]
     assert not may_retry(crashed.returncode, crashed.finished_dir, 4, "killed", crashed.output)
@@ -184,17 +260,12 @@ def test_kill_mid_step_then_resume_is_bitwise_exact(reference):
     run_dir = crashed.run_dir
     assert crashed.saved() == {2: reference.saved()[2], 4: reference.saved()[4]}
     # Only complete checkpoints: no step_* without COMPLETE, no .partial left by the crash.
-    assert checkpoint_names(run_dir) == ["step_000002", "step_000004"]
-    assert all((run_dir / "checkpoints" / n / "COMPLETE").is_file() for n in checkpoint_names(run_dir))
-    assert sorted(last_rows(run_dir)) == [1, 2, 3, 4]  # step 5 died before it was logged
+    names, complete, rows = launches["killed_left"]
+    assert names == ["step_000002", "step_000004"] and complete, names
+    assert rows == [1, 2, 3, 4]  # step 5 died before it was logged
 
-    # Decoys newer than step 4: a stale .partial (even with a marker) and a step folder without one.
-    for decoy in ("step_000005", "step_000006.partial"):
-        (run_dir / "checkpoints" / decoy).mkdir()
-        (run_dir / "checkpoints" / decoy / ".metadata").write_bytes(b"not a DCP checkpoint")
-    (run_dir / "checkpoints" / "step_000006.partial" / "COMPLETE").write_text("6\n")
-
-    resumed = launch_ok(root, "killed", *flags)
+    # Relaunched with the decoys (_plant_decoys) next to the complete checkpoints.
+    resumed = launches["killed_again"]
     match = resumed.resumed()
     assert match is not None, resumed.output[-3000:]
     assert Path(match[1]).name == "step_000004" and (match[2], match[3]) == ("4", "2")
@@ -211,7 +282,7 @@ def test_kill_mid_step_then_resume_is_bitwise_exact(reference):
     assert "step_000005" not in names, "the unmarked folder is a leftover: the next save removes it"
     print(
         f"reference {reference.seconds:.0f} s, killed launch {crashed.seconds:.0f} s, "
-        f"resumed launch {resumed.seconds:.0f} s; step-6 sha256 {reference.saved()[6][:16]}"
+        f"resumed run {resumed.seconds:.0f} s; step-6 sha256 {reference.saved()[6][:16]}"
     )
 
 
@@ -255,12 +326,10 @@ def _check_resumed(run: Launch, step: int, saved_at: tuple[int, int], now: tuple
     assert sorted(run.saved()) == [step + 2]
 
 
-def test_resume_across_topologies(reference, tmp_path):
+def test_resume_across_topologies(reference, launches, tmp_path):
     digest = reference.saved()[6]
-    runs = {}
-    for name, sp, ulysses, ppr, now in LAYOUTS:
-        _copy_run(reference.run_dir, tmp_path / name, 6)
-        runs[name] = launch_ok(tmp_path, name, *_layout_flags(sp, ulysses, ppr, 4))
+    runs = {name: launches[f"{name}_again"] for name, *_ in LAYOUTS}  # each resumed its own copy
+    for name, *_, now in LAYOUTS:
         _check_resumed(runs[name], 6, (4, 1), now, digest)
 
     # ... and back: the sp4 run's step-8 checkpoint at dp4.
@@ -276,27 +345,21 @@ def test_resume_across_topologies(reference, tmp_path):
     )
 
 
-def test_rerun_with_no_resume_refuses_then_overwrites(reference, tmp_path):
+def test_rerun_with_no_resume_refuses_then_overwrites(reference, launches):
     """``--train.no-resume`` into a finished run's directory: refused, nothing touched; with
     ``--train.overwrite`` the previous run is deleted and the new one is a clean fresh start."""
-    run_dir = tmp_path / "rerun"
-    shutil.copytree(reference.run_dir, run_dir)
-    (run_dir / "export" / "pipeline").mkdir(parents=True)  # as a run with train.export leaves it
-    before = {p.relative_to(run_dir): p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
-
-    refused = launch(tmp_path, "rerun", "--train.no-resume", "--train.num-rollouts", "1")
+    refused = launches["refused"]
+    run_dir = refused.run_dir
     assert refused.returncode != 0
     assert f"the run directory {run_dir} holds a previous run" in refused.output, refused.output[-3000:]
     for part in ("step_000002, step_000004, step_000006", "metrics.jsonl with 6 rows", "export/"):
         assert part in refused.output, part
     for way_out in ("drop --train.no-resume", "--run.name", "--train.overwrite"):
         assert way_out in refused.output, way_out
-    after = {p.relative_to(run_dir): p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    before, after = launches["rerun_before"], launches["rerun_after"]
     assert after == before, "a refused launch must leave the previous run as it was"
 
-    fresh = launch_ok(
-        tmp_path, "rerun", "--train.no-resume", "--train.overwrite", "--train.num-rollouts", "1"
-    )
+    fresh = launches["rerun_again"]  # the same flags and --train.overwrite
     assert fresh.resumed() is None
     assert checkpoint_names(run_dir) == ["step_000002"]
     assert not (run_dir / "export").exists()
@@ -310,16 +373,14 @@ def _tracebacks(output: str) -> int:
     return sum(1 for line in output.splitlines() if line.startswith("Traceback"))
 
 
-def test_signal_stops_with_a_checkpoint_then_resume_is_bitwise_exact(reference):
+def test_signal_stops_with_a_checkpoint_then_resume_is_bitwise_exact(reference, launches):
     """SIGTERM to one rank in the middle of rollout 1 (as Slurm's preemption signal, or a kill of
     one process): every rank abandons the rollout, step 2 is saved, every rank exits 0 with no
     traceback and the resume command is printed; resuming reaches the reference's step-6 weights
     and metrics bitwise. Then a Ctrl-C (SIGINT to torchrun and every worker) while rollout 1 runs:
     a checkpoint equal to the reference's at that step, torchrun's own SignalException the only
     traceback."""
-    root = reference.run_dir.parent
-    flags = ("--train.num-rollouts", "3", "--train.checkpoint-every", "0")
-    stopped = launch(root, "sigterm", *flags, env={"MILES_FAULT_SIGNAL": "2:1"})
+    stopped = launches["sigterm"]
     assert stopped.returncode == 0, stopped.output[-3000:]
     assert finished_ranks(stopped.finished_dir) == {0, 1, 2, 3}
     assert _tracebacks(stopped.output) == 0, stopped.output[-3000:]
@@ -328,16 +389,15 @@ def test_signal_stops_with_a_checkpoint_then_resume_is_bitwise_exact(reference):
     assert (
         "To resume, relaunch the same command: train_grpo.py --config configs/tiny_cpu.yaml" in stopped.output
     )
-    assert checkpoint_names(stopped.run_dir) == ["step_000002"]
-    assert sorted(last_rows(stopped.run_dir)) == [1, 2]
+    assert launches["sigterm_left"] == (["step_000002"], [1, 2])
 
-    resumed = launch_ok(root, "sigterm", *flags)
+    resumed = launches["sigterm_again"]
     match = resumed.resumed()
     assert match is not None and Path(match[1]).name == "step_000002", resumed.output[-3000:]
     assert resumed.saved() == {6: reference.saved()[6]}, "final weights differ from the uninterrupted run"
     assert last_rows(resumed.run_dir) == last_rows(reference.run_dir)
 
-    ctrl_c = launch(root, "ctrl_c", *flags, interrupt_after="[rollout 0]")
+    ctrl_c = launches["ctrl_c"]
     assert "stopped by SIGINT after step" in ctrl_c.output, ctrl_c.output[-3000:]
     saved = ctrl_c.saved()
     assert len(saved) == 1 and saved == {s: reference.saved()[s] for s in saved}, ctrl_c.output[-3000:]

@@ -5,24 +5,18 @@ each rollout (weights identical to the ones that sampled it) has ratio exactly 1
 train-vs-rollout canary of exactly 0 — on CPU fp32 the recompute repeats the rollout's
 arithmetic bit for bit (same micro-batches, same kernels); the seed measured ~1e-5 in bf16 on
 GPUs — and that sample videos, the wandb offline run, a checkpoint and the export are written.
+The runs share one torchrun launch with the other modules' (``tests/e2e/conftest.py``).
 """
 
 import json
-import os
-import shutil
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 
-from tests.dist_utils import FINISHED_ENV, may_retry
+from tests.e2e.multi_run import Run
 
 pytestmark = pytest.mark.e2e
 
-ROOT = Path(__file__).resolve().parents[2]
-TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 
 REQUIRED = [
     "reward/mean",
@@ -48,72 +42,50 @@ REQUIRED = [
 ]
 
 
-def _launch(tmp_path: Path, name: str, *flags: str, nproc: int = 4) -> Path:
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", WANDB_MODE="offline", WANDB_SILENT="true")
-    cmd = [
-        TORCHRUN,
-        "--standalone",
-        "--nproc-per-node",
-        str(nproc),
-        "train_grpo.py",
-        "--config",
-        "configs/tiny_cpu.yaml",
-        "--run.output-dir",
-        str(tmp_path),
-        "--run.name",
-        name,
-        "--train.num-rollouts",
-        "2",
-        *flags,
-    ]
-    for attempt in range(2):
-        env[FINISHED_ENV] = tempfile.mkdtemp(prefix="finished_", dir=tmp_path)
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-        # One retry, from a clean directory, only for a failure after every rank had finished its
-        # work (a rare gloo teardown abort on CPU); a rank killed mid-run or an error fails at once.
-        output = proc.stdout + proc.stderr
-        if attempt or not may_retry(proc.returncode, env[FINISHED_ENV], nproc, f"the launch {name}", output):
-            break
-        shutil.rmtree(tmp_path / name, ignore_errors=True)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "[rollout 1]" in proc.stdout
+TINY_RECIPE = ["--config", "configs/tiny_cpu.yaml", "--train.num-rollouts", "2"]
+
+
+def check_log(run: Run) -> Path:
+    """The run's own part of the launch's log: it trained, quietly; returns its directory."""
+    assert "[rollout 1]" in run.stdout, run.stdout[-3000:]
     # Quiet logs: progress is on by default, but stdout/stderr are pipes here, not a terminal.
-    output = proc.stdout + proc.stderr
     for noise in ("\r", "\x1b[", "Loading pipeline components", "it/s]", "should be kept in float32"):
-        assert noise not in output, f"{noise!r} in the log:\n{output[-3000:]}"
-    assert "[miles] loaded 16 prompts from the built-in list" in proc.stdout
-    return tmp_path / name
+        assert noise not in run.output, f"{noise!r} in the log of {run.name}:\n{run.output[-3000:]}"
+    assert "[miles] loaded 16 prompts from the built-in list" in run.stdout
+    return run.run_dir
 
 
-@pytest.mark.parametrize(
-    "name,flags",
-    [
-        ("dp2sp2", ["--sequence-parallel-size", "2", "--ulysses-degree", "2", "--run.log-video-every", "1"]),
-        # a full fine-tune with the KL to a frozen sharded copy of the initial weights
-        ("dp4", ["--data.prompts-per-rank", "1", "--train.no-export", "--grpo.kl-beta", "0.01"]),
-        # torch.compile per block in bf16: the rollout's no-grad graph and training's graph agree bit
-        # for bit only where Inductor rounds intermediates as eager mode does (emulate_precision_casts)
-        (
-            "dp2sp2-compiled-bf16",
-            [
-                "--sequence-parallel-size",
-                "2",
-                "--model.compile",
-                "on",
-                "--model.dtype",
-                "bfloat16",
-                "--train.no-export",
-            ],
-        ),
-        # HSDP: parameters sharded inside each sp group (2 ranks), replicated over the 2 dp groups
-        (
-            "dp2sp2-hsdp2",
-            ["--sequence-parallel-size", "2", "--parallel.replicate-size", "2", "--train.no-export"],
-        ),
+RUNS = {
+    "dp2sp2": ["--sequence-parallel-size", "2", "--ulysses-degree", "2", "--run.log-video-every", "1"],
+    # a full fine-tune with the KL to a frozen sharded copy of the initial weights
+    "dp4": ["--data.prompts-per-rank", "1", "--train.no-export", "--grpo.kl-beta", "0.01"],
+    # torch.compile per block in bf16: the rollout's no-grad graph and training's graph agree bit
+    # for bit only where Inductor rounds intermediates as eager mode does (emulate_precision_casts)
+    "dp2sp2-compiled-bf16": [
+        "--sequence-parallel-size",
+        "2",
+        "--model.compile",
+        "on",
+        "--model.dtype",
+        "bfloat16",
+        "--train.no-export",
     ],
-)
-def test_training_logs_every_metric(tmp_path, name, flags):
-    run = _launch(tmp_path, name, *flags)
+    # HSDP: parameters sharded inside each sp group (2 ranks), replicated over the 2 dp groups
+    "dp2sp2-hsdp2": ["--sequence-parallel-size", "2", "--parallel.replicate-size", "2", "--train.no-export"],
+}
+
+
+SHARED_RUNS = {4: {name: [*TINY_RECIPE, *flags] for name, flags in RUNS.items()}}  # tests/e2e/conftest.py
+
+
+@pytest.fixture(scope="module")
+def runs(shared_runs) -> dict[str, Path]:
+    return {name: check_log(shared_runs[name]) for name in RUNS}
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_training_logs_every_metric(runs, name):
+    run = runs[name]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]  # 2 rollouts x 2 optimizer steps
     firsts = [r for r in rows if "reward/mean" in r]

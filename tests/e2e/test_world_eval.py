@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.world_launch import launch_world
+from tests.world_launch import NPROC, WORLD
 
 pytestmark = pytest.mark.e2e
 
@@ -42,8 +42,7 @@ FLAGS = [
 ]
 
 
-def _launch(root: Path, name: str, *flags: str) -> Path:
-    return launch_world(root, name, *FLAGS, *flags, timeout_s=600)
+SHARED_RUNS = {NPROC: {"grpo": [*WORLD, *FLAGS]}}  # in the session's shared launch (tests/e2e/conftest.py)
 
 
 def _evals(run_dir: Path) -> list[dict]:
@@ -51,9 +50,8 @@ def _evals(run_dir: Path) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("learning")
-    return {"grpo": _launch(root, "grpo")}
+def runs(shared_runs) -> dict[str, Path]:
+    return {"grpo": shared_runs["grpo"].run_dir}
 
 
 def test_heldout_evaluation_at_start_and_end(runs):
@@ -71,18 +69,38 @@ def test_heldout_evaluation_at_start_and_end(runs):
     assert len(json.loads(grid.read_text())) == 16  # dp2: rank 0 samples every other micro-batch of 32
 
 
-@pytest.mark.parametrize("source", ["export", "checkpoint"])
-def test_standalone_eval_equals_the_trainers_final_eval(runs, tmp_path, source):
+# Both standalone evaluations in one process (``miles.eval``'s main, as its command line calls it),
+# so the test pays one start-up of Python, torch and diffusers instead of two.
+_EVAL_BOTH = (
+    "import json, sys\n"
+    "from miles.eval.__main__ import main\n"
+    "for argv in json.loads(sys.argv[1]):\n"
+    "    if code := main(argv):\n"
+    "        sys.exit(code)\n"
+)
+
+
+@pytest.fixture(scope="module")
+def standalone(runs, tmp_path_factory) -> dict[str, Path]:
+    """``python -m miles.eval`` on the run's export and on its last checkpoint: each one's output folder."""
     run = runs["grpo"]
-    if source == "export":
-        where = ["--model.path", str(run / "export" / "pipeline")]
-    else:
-        where = ["--checkpoint", str(sorted((run / "checkpoints").iterdir())[-1])]
-    cmd = [sys.executable, "-m", "miles.eval", "--config", "configs/world_cpu.yaml", *where]
-    cmd += ["--out", str(tmp_path), "--run.wandb-mode", "disabled"]
+    sources = {
+        "export": ["--model.path", str(run / "export" / "pipeline")],
+        "checkpoint": ["--checkpoint", str(sorted((run / "checkpoints").iterdir())[-1])],
+    }
+    outs = {source: tmp_path_factory.mktemp(f"eval_{source}") for source in sources}
+    config, quiet = ["--config", "configs/world_cpu.yaml"], ["--run.wandb-mode", "disabled"]
+    argvs = [[*config, *where, "--out", str(outs[source]), *quiet] for source, where in sources.items()]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    cmd = [sys.executable, "-c", _EVAL_BOTH, json.dumps(argvs)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return outs
+
+
+@pytest.mark.parametrize("source", ["export", "checkpoint"])
+def test_standalone_eval_equals_the_trainers_final_eval(runs, standalone, source):
+    run, tmp_path = runs["grpo"], standalone[source]
     got = json.loads((tmp_path / "eval.json").read_text())["samples"]
     want = json.loads((run / "eval" / f"step_{2 * NUM_ROLLOUTS:06d}.json").read_text())["samples"]
     # Same prompts, seeds and weights; the scores agree to fp32 rounding (one process vs the

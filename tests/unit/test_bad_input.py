@@ -1,6 +1,7 @@
 """Bad input fails early, with a message that names the fix, and writes nothing.
 
-Through the real entry point (``python train_grpo.py``, one process, gloo), one case each:
+Through the entry point (``train_grpo.main``; one case of each kind through a fresh ``python
+train_grpo.py`` process, the others on the session's pooled gloo rank to spare a start-up each):
 
 - config errors (unknown or mistyped key, wrong type, malformed YAML, group size < 2, a batch that
   does not split into micro-batches, a clip range <= 0, a negative KL weight or learning rate,
@@ -11,7 +12,7 @@ Through the real entry point (``python train_grpo.py``, one process, gloo), one 
   one rollout needs, a run path that is a file) exit with code 2 and the message, before the
   model is sharded or a rollout runs.
 
-Neither leaves a run directory behind. Then, in-process on one gloo rank (``run_distributed``), a
+Neither leaves a run directory behind. Then, in-process on one gloo rank (``run_pooled``), a
 NaN reward, a NaN loss and a NaN gradient each stop the run with ``NonFiniteError`` naming the
 step and the last good checkpoint, and no checkpoint is written after it.
 About 90 s on 2 cores.
@@ -19,6 +20,7 @@ About 90 s on 2 cores.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -27,22 +29,63 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist_utils import free_port, run_distributed
+from tests.dist_utils import free_port, run_pooled
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_DIR = REPO / ".cache" / "tiny-wan"
 
 
-def _train(tmp_path: Path, *flags: str, config: str | Path = "configs/tiny_cpu.yaml"):
-    """``python train_grpo.py`` into ``tmp_path/runs/bad``; returns (returncode, flattened output)."""
-    cmd = [sys.executable, "train_grpo.py", "--config", str(config), "--run.output-dir"]
-    cmd += [str(tmp_path / "runs"), "--run.name", "bad", "--run.wandb-mode", "disabled", "--run.no-progress"]
-    cmd += ["--model.tiny-model-dir", str(TINY_DIR), *flags]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "MASTER_PORT": str(free_port())}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120, check=False)
+# The cases that go through a fresh ``python train_grpo.py`` (one of each kind: the process's exit
+# status and output); the others call its ``main`` on the session's pooled rank (``_main_body``),
+# which is the same code minus the ~2-8 s start-up of a process.
+THROUGH_A_PROCESS = {"unknown_flag", "model_path_missing", "every_checkpoint_corrupt"}
+
+
+def _train(tmp_path: Path, case: str, *flags: str, config: str | Path = "configs/tiny_cpu.yaml"):
+    """``train_grpo.py`` into ``tmp_path/runs/bad``; returns (exit status, flattened output)."""
+    argv = ["--config", str(config), "--run.output-dir", str(tmp_path / "runs"), "--run.name", "bad"]
+    argv += ["--run.wandb-mode", "disabled", "--run.no-progress", "--model.tiny-model-dir", str(TINY_DIR)]
+    argv += flags
+    if case in THROUGH_A_PROCESS:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "MASTER_PORT": str(free_port())}
+        cmd = [sys.executable, "train_grpo.py", *argv]
+        proc = subprocess.run(
+            cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120, check=False
+        )
+        code, text = proc.returncode, proc.stdout + proc.stderr
+    else:
+        result = tmp_path / "main.json"
+        run_pooled(_main_body, 1, argv, str(result))
+        code, text = json.loads(result.read_text())
     # tyro draws its errors in a box and wraps them: drop the frame, join the lines.
-    text = re.sub(r"[│╭╮╰╯─]+", " ", proc.stdout + proc.stderr)
-    return proc.returncode, " ".join(text.split())
+    text = re.sub(r"[│╭╮╰╯─]+", " ", text)
+    return code, " ".join(text.split())
+
+
+def _main_body(rank: int, world_size: int, argv: list[str], result: str) -> None:
+    """``train_grpo.main(argv)`` on this rank, its group kept: writes [exit status, output] to ``result``."""
+    import contextlib
+    import io
+
+    import torch.distributed
+
+    import train_grpo
+    from tests.dist_utils import KeepGroup
+
+    output = io.StringIO()
+    train_grpo.dist = KeepGroup()
+    cwd = os.getcwd()
+    os.chdir(REPO)  # as the process runs: from the repository (relative recipe paths)
+    try:
+        with contextlib.redirect_stdout(output), contextlib.redirect_stderr(output):
+            try:
+                code = train_grpo.main(argv)
+            except SystemExit as e:  # tyro's exit on a bad flag
+                code = e.code
+    finally:
+        train_grpo.dist = torch.distributed
+        os.chdir(cwd)
+    Path(result).write_text(json.dumps([code, output.getvalue()]))
 
 
 def _write(tmp_path: Path, name: str, text: str) -> Path:
@@ -106,7 +149,7 @@ CONFIG_ERRORS = {
 def test_config_error_exits_2_naming_the_key(tmp_path, case):
     recipe, flags, messages = CONFIG_ERRORS[case]
     config = _write(tmp_path, "recipe.yaml", recipe) if recipe else "configs/tiny_cpu.yaml"
-    code, out = _train(tmp_path, *flags, config=config)
+    code, out = _train(tmp_path, case, *flags, config=config)
     assert code == 2, out
     for message in messages:
         assert message.replace("{recipe}", str(config)) in out, out
@@ -168,7 +211,7 @@ TRAINER_ERRORS = [
 @pytest.mark.parametrize("case", TRAINER_ERRORS)
 def test_trainer_error_exits_2_before_any_rollout(tmp_path, case):
     flags, messages = _trainer_error(tmp_path, case)
-    code, out = _train(tmp_path, *flags)  # a later --config or --run.output-dir replaces the first
+    code, out = _train(tmp_path, case, *flags)  # a later --config or --run.output-dir replaces the first
     assert code == 2, out
     for message in messages:
         assert message in out, out
@@ -226,7 +269,7 @@ def test_resume_with_another_config_exits_2_naming_the_difference(tmp_path, case
     run_dir = tmp_path / "runs" / "bad"
     _plant_checkpoint(run_dir, changes)
     before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
-    code, out = _train(tmp_path, *flags)
+    code, out = _train(tmp_path, case, *flags)
     assert code == 2, out
     for message in messages:
         assert message in out, out
@@ -254,9 +297,12 @@ def _nonfinite_body(rank, world_size, out_dir, where, bad_step, expect_step):
     """Train with ``where`` made non-finite during optimizer step ``bad_step`` (1-based)."""
     import torch
 
+    import miles.algorithms.flow_grpo as A  # the algorithm forms the loss and the log-probs
     import miles.train.trainer as T
 
     trainer = T.Trainer(_config(out_dir))
+    # Put back on exit: the body runs on ranks that serve later tests too (run_pooled).
+    patched = {"grpo_policy_loss": A.grpo_policy_loss, "compute_log_prob": A.compute_log_prob}
     if where == "reward":
         score = trainer.rewards.inner  # the reward mix inside the trainer's failure guard
 
@@ -270,8 +316,6 @@ def _nonfinite_body(rank, world_size, out_dir, where, bad_step, expect_step):
         rewards.names = score.names
         trainer.rewards.inner = rewards
     elif where == "loss":
-        import miles.algorithms.flow_grpo as A  # the algorithm forms the loss
-
         loss_fn = A.grpo_policy_loss
 
         def loss(*args, **kwargs):
@@ -282,8 +326,6 @@ def _nonfinite_body(rank, world_size, out_dir, where, bad_step, expect_step):
 
         A.grpo_policy_loss = loss
     elif where == "grad":
-        import miles.algorithms.flow_grpo as A
-
         log_prob_fn = A.compute_log_prob
 
         def log_prob(*args, **kwargs):
@@ -301,6 +343,8 @@ def _nonfinite_body(rank, world_size, out_dir, where, bad_step, expect_step):
         raise AssertionError(f"a non-finite {where} at step {bad_step} did not stop the run")
     finally:
         trainer.close()
+        for name, fn in patched.items():
+            setattr(A, name, fn)
     checkpoints = Path(out_dir) / "nan" / "checkpoints"
     good = f"step_{2 * ((bad_step - 1) // 2):06d}"  # the last rollout boundary before bad_step
     assert f"step {expect_step}" in message, message
@@ -323,9 +367,9 @@ def _nonfinite_body(rank, world_size, out_dir, where, bad_step, expect_step):
     ],
 )
 def test_nonfinite_stops_and_keeps_the_last_good_checkpoint(tmp_path, where, bad_step, expect_step):
-    run_distributed(_nonfinite_body, 1, str(tmp_path), where, bad_step, expect_step)
+    run_pooled(_nonfinite_body, 1, str(tmp_path), where, bad_step, expect_step)
 
 
 @pytest.mark.distributed
 def test_nonfinite_gradient_is_not_checkpointed(tmp_path):
-    run_distributed(_nonfinite_body, 1, str(tmp_path), "grad", 4, 4)
+    run_pooled(_nonfinite_body, 1, str(tmp_path), "grad", 4, 4)

@@ -266,9 +266,9 @@ def _trainer_refuses_body(rank: int, world_size: int, out_dir: str) -> None:
 @pytest.mark.distributed
 def test_trainer_refuses_a_budget_the_rollout_cannot_meet(tmp_path):
     """The real Trainer (1 gloo rank, the tiny model) refuses at startup, before any rollout."""
-    from tests.dist_utils import run_distributed
+    from tests.dist_utils import run_pooled
 
-    run_distributed(_trainer_refuses_body, 1, str(tmp_path))
+    run_pooled(_trainer_refuses_body, 1, str(tmp_path))
     assert not list(tmp_path.rglob("metrics.jsonl"))
 
 
