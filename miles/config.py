@@ -258,12 +258,14 @@ class RewardConfig:
 
 @dataclasses.dataclass(kw_only=True)
 class AlgorithmConfig:
-    name: Literal["flow_grpo", "grpo_guard", "diffusion_nft"] = "flow_grpo"
+    name: Literal["flow_grpo", "grpo_guard", "diffusion_nft", "sft"] = "flow_grpo"
     """The RL algorithm (``miles.algorithms``): what the rollout records and the loss.
     ``flow_grpo``: SDE rollouts with per-step log-probs and the clipped-ratio loss (section ``grpo``).
     ``grpo_guard``: Flow-GRPO with GRPO-Guard's normalised ratio and 1/|dt| step weights (``grpo``;
     needs rollout.sde_type sde). ``diffusion_nft``: ODE rollouts of an old policy and the
-    forward-process loss on their clean samples, CFG-free (section ``nft``; advantages from ``grpo``)."""
+    forward-process loss on their clean samples, CFG-free (section ``nft``; advantages from ``grpo``).
+    ``sft``: supervised flow matching on the videos of data.prompt_file, a JSONL of {"video", "prompt"}
+    (section ``sft``; no rollouts, no rewards in training)."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -310,6 +312,25 @@ class NFTConfig:
     kl_beta: float = 0.0
     """β, the weight of the penalty β·mean((v − v_ref)²) on the velocity's distance to the reference
     (initial) policy's; 0 turns it off (the DiffusionNFT reference uses 1e-4 with LoRA)."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class SFTConfig:
+    timestep_sampling: Literal["uniform", "logit_normal"] = "uniform"
+    """How ``algorithm.name sft`` draws each sample's noise level before the shift: ``uniform`` u ~ U(0, 1),
+    or ``logit_normal`` u = sigmoid(logit_mean + logit_std * N(0, 1)) (SD3); then sigma = shift*u / (1 + (shift - 1)*u)."""
+    shift: float | None = None
+    """The time shift applied to u (Wan: 3.0 at 480p, 5.0 at 720p); None: rollout.shift; 1: none."""
+    logit_mean: float = 0.0
+    """``logit_normal``: the mean of the normal before the sigmoid."""
+    logit_std: float = 1.0
+    """``logit_normal``: its standard deviation."""
+    caption_dropout: float = 0.0
+    """Fraction of samples trained on the negative prompt's embedding instead of their caption (keeps
+    the unconditional branch that CFG needs; Wan-style fine-tunes use about 0.1)."""
+    cache_latents: bool = True
+    """Keep each video's VAE latents under ``<run>/sft_latents`` (encoded once; resumes and later epochs
+    read them back). False encodes every video each time it is drawn."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -382,6 +403,7 @@ class Config:
     algorithm: AlgorithmConfig = dataclasses.field(default_factory=AlgorithmConfig)
     grpo: GRPOConfig = dataclasses.field(default_factory=GRPOConfig)
     nft: NFTConfig = dataclasses.field(default_factory=NFTConfig)
+    sft: SFTConfig = dataclasses.field(default_factory=SFTConfig)
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
 
@@ -435,6 +457,16 @@ def validate(cfg: Config) -> None:
         (0.0 <= cfg.nft.old_decay_max < 1.0, "nft.old_decay_max must be in [0, 1)"),
         (cfg.nft.old_decay_flat >= 0, "nft.old_decay_flat must be >= 0"),
         (cfg.nft.kl_beta >= 0, "nft.kl_beta must be >= 0 (0 turns the KL term off)"),
+        (
+            cfg.sft.shift is None or cfg.sft.shift > 0,
+            "sft.shift must be > 0 (1: no shift; unset: rollout.shift)",
+        ),
+        (cfg.sft.logit_std > 0, "sft.logit_std must be > 0"),
+        (0.0 <= cfg.sft.caption_dropout < 1.0, "sft.caption_dropout must be in [0, 1)"),
+        (
+            cfg.algorithm.name != "sft" or (cfg.data.prompt_file or "").endswith(".jsonl"),
+            'algorithm.name sft trains on data.prompt_file: set it to a .jsonl of {"video": ..., "prompt": ...}',
+        ),
         (
             cfg.algorithm.name != "grpo_guard" or cfg.rollout.sde_type == "sde",
             "algorithm.name grpo_guard normalises the ratio of Flow-GRPO's SDE: set rollout.sde_type sde",

@@ -66,6 +66,7 @@ from miles.train.plan import plan_run
 from miles.train.run_dir import clear_run_dir
 from miles.train.runtime import deterministic_kernels, init_distributed, peak_memory_gib
 from miles.train.score import NonFiniteError, score
+from miles.train.sources import batch_source, unscored
 from miles.train.stop import GracefulStop, StopRequested
 
 
@@ -166,6 +167,8 @@ class Trainer:
             stop=self.stop.requested,
             progress=self.progress,
         )
+        # rollouts, or the batches of the source the algorithm declares (miles.train.sources)
+        self.collector = batch_source(self.algorithm, self.collector)
         self._open_run_dir()
         if self.resume_from is not None:
             self._resume(self.resume_from)
@@ -266,6 +269,8 @@ class Trainer:
 
     def score(self, batch: RolloutBatch) -> Scores:
         """Decode, reward and normalise the batch (:mod:`miles.train.score`); sets its advantages."""
+        if not self.algorithm.uses_rewards:
+            return unscored(batch, self.mesh.dp_size)
         return score(
             batch,
             self.rewards,
