@@ -22,7 +22,10 @@ seeds, ODE sampling) in deterministic mode with 4 CPU processes:
 - ``*-1step``: the whole rollout (64 samples) in one optimizer step instead of two steps of 32;
 - the recipe search of issue 31: ``kl-dp4`` (CFG-free with a KL), ``cfg-clip4-dp4`` (CFG, clip
   range x 4), ``nft-cfgroll-dp4`` (DiffusionNFT on CFG rollouts, trained CFG-free), the negated
-  twins of Guard, CPS and ``nft-cfgroll``, and ``<run>-lr1e-4`` / ``-lr3e-4`` (the shared lr).
+  twins of Guard, CPS and ``nft-cfgroll``, and ``<run>-lr1e-4`` / ``-lr3e-4`` (the shared lr);
+- ``sft-dp4``, ``sft-dp2xsp2``: supervised fine-tuning (``algorithm.name sft``) on renders of the
+  training prompts (``python -m miles.world.sft_data``, written before the launch), the supervised
+  reference: 32 videos x 2 noise draws, dp4's 64 samples per batch; no negated twin (no reward).
 
 ``--gpu`` runs each on the GPU path instead: one process, bf16, compiled blocks, not deterministic,
 the same global batch (docs/learning.md, "The GPU path"); ``--time-limit`` stops runs still going.
@@ -87,6 +90,22 @@ RUNS.update(
     {
         f"{name}-lr3e-4": [*RUNS[name], "--train.learning-rate", "3e-4"]
         for name in ("nft-dp4", "nft-cfgroll-dp4")
+    }
+)
+# SFT (issue 32): flow matching on renders of the training prompts, the same global batch of 64 samples
+WORLD_SFT = ROOT / ".cache" / "world_sft"
+_SFT = [
+    "--algorithm.name",
+    "sft",
+    "--data.prompt-file",
+    str(WORLD_SFT / "train.jsonl"),
+    "--data.group-size",
+    "2",
+]
+RUNS.update(
+    {
+        "sft-dp4": ["--data.prompts-per-rank", "8", *_SFT],
+        "sft-dp2xsp2": ["--data.prompts-per-rank", "16", *_DP2XSP2[2:], *_SFT],
     }
 )
 DEFAULT_RUNS = ["dp4", "dp2xsp2", "dp4-negated"]
@@ -295,6 +314,8 @@ def main() -> None:
     p.add_argument("extra", nargs="*", help="further train_grpo.py flags (after --)")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    if any(RUNS[name][-len(_SFT) :] == _SFT for name in args.runs):  # the SFT runs' data
+        subprocess.run([sys.executable, "-m", "miles.world.sft_data", str(WORLD_SFT)], cwd=ROOT, check=True)
     walls = launch_all(
         args.out,
         args.runs,
