@@ -45,6 +45,7 @@ from miles.train.memory_budget import (
 from miles.train.memory_budget import cfg_factor as guidance_factor
 from miles.train.resume import resume_checkpoint
 from miles.train.run_dir import check_run_dir
+from miles.train.sources import check_batch_source
 
 __all__ = ["PlanError", "PlanMemoryError", "RunPlan", "default_attention_backend", "plan_run"]
 
@@ -252,6 +253,7 @@ def _check_inputs(cfg: Config, dp: int, image_to_video: bool = False) -> dict:
         check_prompt_images(prompts, prompt_file, image_to_video)
         check_prompt_images(held_out, cfg.eval.prompt_file, image_to_video)
         GroupSampler(len(prompts), cfg.data.prompts_per_rank, cfg.data.group_size, dp_rank=0, dp_size=dp)
+        check_batch_source(cfg)  # e.g. SFT's video JSONL: every line and video
         _check_rewards(cfg)
         _check_image_rewards(cfg, image_to_video)
     except (ValueError, FileNotFoundError) as e:

@@ -30,7 +30,7 @@ from miles.rollout.batch import MicroBatch, RolloutBatch, Scores
 from miles.rollout.condition import conditions_of
 from miles.train.collect import Collector, micro_slices, step_major_order
 
-__all__ = ["CleanLatents", "VideoSource", "batch_source", "unscored"]
+__all__ = ["CleanLatents", "VideoSource", "batch_source", "check_batch_source", "unscored"]
 
 
 @dataclass
@@ -129,6 +129,15 @@ class VideoSource:
             chunks=chunks,
             sde_steps=[],
         )
+
+
+def check_batch_source(cfg) -> None:
+    """What the algorithm's batch source refuses before any weights load (the run plan calls it):
+    for ``videos``, a JSONL line that is not valid or names a missing video (ValueError naming it)."""
+    from miles.algorithms import build_algorithm
+
+    if build_algorithm(cfg).batch_source == "videos":
+        read_video_jsonl(cfg.data.prompt_file)
 
 
 def batch_source(algorithm, collector: Collector):
