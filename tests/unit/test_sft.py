@@ -162,3 +162,32 @@ def test_per_token_timesteps():
     conditional_velocity(model, x, sigma, torch.randn(2, 6, 8), expand_timesteps=True)
     t = model.seen[0][0]
     assert t.shape == (2, 3 * 2 * 2) and torch.equal(t, (sigma * 1000)[:, None].expand(2, 12))
+
+
+def test_first_frame_condition_is_clean_and_carries_no_loss():
+    """Wan2.2 TI2V's image mode: the condition's latent frame replaces frame 0 of the input, its tokens
+    get timestep 0, and the loss covers the generated frames 1..F-1 only."""
+    from miles.rollout.condition import ImageCondition
+
+    algo, policy, batch, x0, pos, neg = _setup()
+    g = torch.Generator().manual_seed(8)
+    image = torch.randn(4, 4, 1, 4, 4, generator=g)
+    for chunk in batch.chunks:
+        chunk.condition = ImageCondition(mode="first_frame", latents=image[chunk.slice])
+    sums = algo.accumulate(policy, batch, batch.chunks)
+    model = policy.transformers[0]
+    sigma, noise, _ = algo.draws(policy, 3, [9, 4, 7, 2], x0.shape[1:], (0.0, 1.0))
+    t = torch.cat([t for t, _ in model.seen])  # (B, S): 2 latent frames x 2 x 2 patches
+    assert torch.equal(t[:, :4], torch.zeros(4, 4))
+    assert torch.equal(t[:, 4:], (sigma * 1000)[:, None].expand(4, 4))
+    w, a, b = (p.detach().double() for p in (model.w, model.a, model.b))
+    s = sigma.double().view(-1, 1, 1, 1, 1)
+    x_t = (1 - s) * x0.double() + s * noise.double()
+    x_in = torch.cat([image.double(), x_t[:, :, 1:]], dim=2)
+    # the stand-in reads the first token's timestep (0 here): no time term
+    v = torch.einsum("oc,bcfhw->bofhw", w, x_in) + (a * 0 + b * pos.double().mean(dim=(1, 2))).view(
+        -1, 1, 1, 1, 1
+    )
+    target = noise.double() - x0.double()
+    ref = ((v - target)[:, :, 1:] ** 2).mean(dim=(1, 2, 3, 4)).mean()
+    assert sums["loss"] == pytest.approx(float(ref), rel=1e-5)
