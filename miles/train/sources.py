@@ -51,7 +51,7 @@ class VideoSource:
     """The ``videos`` batch source: the collector's prompt sampler over a video JSONL."""
 
     def __init__(self, collector: Collector):
-        self.c = collector
+        self.collector = collector
         cfg = collector.cfg
         self.items: list[VideoItem] = read_video_jsonl(cfg.data.prompt_file)
         texts = [p.text for p in collector.prompts]
@@ -63,16 +63,17 @@ class VideoSource:
         self.num_encoded = 0  # videos this rank encoded (not read back from the cache)
 
     def _key(self, item: VideoItem) -> str:
-        r, stat = self.c.cfg.rollout, item.video.stat()
+        r, stat = self.collector.cfg.rollout, item.video.stat()
         parts = (item.video.resolve(), stat.st_mtime_ns, stat.st_size, r.num_frames, r.height, r.width)
-        return hashlib.sha1(repr((*parts, str(self.c.model.path))).encode()).hexdigest()[:20]
+        return hashlib.sha1(repr((*parts, str(self.collector.model.path))).encode()).hexdigest()[:20]
 
     @torch.no_grad()
     def encode(self, item: VideoItem) -> Tensor:
         """The normalised latents (C, F', H', W') fp32 on the CPU of ``item``'s clip."""
-        r, vae = self.c.cfg.rollout, self.c.model.pipeline.vae
+        c, r = self.collector, self.collector.cfg.rollout
+        vae = c.model.pipeline.vae
         clip = load_clip(item, r.num_frames, r.height, r.width)  # (F, 3, H, W) in [0, 1]
-        x = (clip.permute(1, 0, 2, 3)[None] * 2.0 - 1.0).to(self.c.device, vae.dtype)  # (1, 3, F, H, W)
+        x = (clip.permute(1, 0, 2, 3)[None] * 2.0 - 1.0).to(c.device, vae.dtype)  # (1, 3, F, H, W)
         z = vae.encode(x).latent_dist.mode().float()
         mean = torch.tensor(vae.config.latents_mean, device=z.device).view(1, -1, 1, 1, 1)
         std = torch.tensor(vae.config.latents_std, device=z.device).view(1, -1, 1, 1, 1)
@@ -96,7 +97,7 @@ class VideoSource:
 
     def collect(self, rollout_index: int) -> RolloutBatch:
         """This rank's share of the next lines, in the collector's sample order and micro-batches."""
-        c, cfg = self.c, self.c.cfg
+        c, cfg = self.collector, self.collector.cfg
         groups = next(c.sampler)
         G = cfg.data.group_size
         ids = [g * G + i % G for i, g in enumerate(groups.group_ids)]  # global sample index
