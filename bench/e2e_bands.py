@@ -99,10 +99,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--algorithm",
         default="flow_grpo",
-        choices=["flow_grpo", "grpo_guard", "diffusion_nft", *FORWARD_PROCESS],
+        choices=["flow_grpo", "grpo_guard", "diffusion_nft", *FORWARD_PROCESS, "sft"],
         help="algorithm.name of every band (the forward-process ones: CFG-free, guidance 1, no canary; "
         "awm, dgpo, online_dpo: 2 trained levels of the 4-step grid, one optimizer step per rollout "
-        "so that a step holds whole groups)",
+        "so that a step holds whole groups; sft: on world renders, OUT/sft_data, cut to the recipe's "
+        "frames; no reward, no canary)",
     )
     p.add_argument("--bands", default=",".join(b[0] for b in BANDS), help="comma-separated subset of bands")
     p.add_argument("--nproc", type=int, default=4)
@@ -144,6 +145,8 @@ def launch(
     ]  # fmt: skip
     if args.algorithm == "diffusion_nft" or args.algorithm in FORWARD_PROCESS:
         cmd += ["--rollout.guidance-scale", "1.0", *FORWARD_PROCESS.get(args.algorithm, [])]
+    if args.algorithm == "sft":  # its videos: renders of the world's training prompts (main writes them)
+        cmd += ["--data.prompt-file", str(args.out / "sft_data" / "train.jsonl")]
     cmd += args.extra
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
     for attempt in range(2):
@@ -460,6 +463,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.out = args.out.resolve()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.algorithm == "sft":
+        data = ["-m", "miles.world.sft_data", str(args.out / "sft_data"), "--videos-per-prompt", "1"]
+        subprocess.run([sys.executable, *data], cwd=REPO, check=True)
     t0 = time.perf_counter()
     selected = [b for b in BANDS if b[0] in args.bands.split(",")]
     results = [run_band(args, *b) for b in selected]

@@ -28,6 +28,10 @@ seeds, ODE sampling) in deterministic mode with 4 CPU processes:
   clip 1e-5: its paper's mode 2) and online DPO (best vs worst of each group's half in a step), each
   with its section's defaults (the references' recipes); ``cfg-dgpo-dp4`` (and ``-negated``):
   DGPO's "rollout with CFG, train without" mode (rollouts at guidance 4, reference without CFG).
+- ``sft-dp4``, ``sft-dp2xsp2``: supervised fine-tuning (``algorithm.name sft``) on renders of the
+  training prompts (``python -m miles.world.sft_data``, written before the launch), the supervised
+  reference: 32 videos x 2 noise draws, dp4's 64 samples per batch; no negated twin (no reward);
+  ``sft-*-lr1e-4`` at the GPU path's shared learning rate.
 
 ``--gpu`` runs each on the GPU path instead: one process, bf16, compiled blocks, not deterministic,
 the same global batch (docs/learning.md, "The GPU path"); ``--time-limit`` stops runs still going.
@@ -113,6 +117,23 @@ RUNS.update(
         for name in ("nft-dp4", "nft-cfgroll-dp4")
     }
 )
+# SFT (issue 32): flow matching on renders of the training prompts, the same global batch of 64 samples
+WORLD_SFT = ROOT / ".cache" / "world_sft"
+_SFT = [
+    "--algorithm.name",
+    "sft",
+    "--data.prompt-file",
+    str(WORLD_SFT / "train.jsonl"),
+    "--data.group-size",
+    "2",
+]
+RUNS.update(
+    {
+        "sft-dp4": ["--data.prompts-per-rank", "8", *_SFT],
+        "sft-dp2xsp2": ["--data.prompts-per-rank", "16", *_DP2XSP2[2:], *_SFT],
+    }
+)
+RUNS.update({f"{name}-lr1e-4": [*RUNS[name], *_LR1E4] for name in ("sft-dp4", "sft-dp2xsp2")})
 DEFAULT_RUNS = ["dp4", "dp2xsp2", "dp4-negated"]
 # The GPU path (``--gpu``): one process per run on one CUDA device, bf16, compiled blocks, not in
 # deterministic mode (as a user runs it), micro-batches of 16; dp4's 2 prompt groups per rank become 8,
@@ -355,6 +376,8 @@ def main() -> None:
     p.add_argument("extra", nargs="*", help="further train_grpo.py flags (after --)")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    if any(name.startswith("sft-") for name in args.runs):  # the SFT runs' data
+        subprocess.run([sys.executable, "-m", "miles.world.sft_data", str(WORLD_SFT)], cwd=ROOT, check=True)
     walls = launch_all(
         args.out,
         args.runs,

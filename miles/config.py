@@ -267,7 +267,9 @@ class RewardConfig:
 
 @dataclasses.dataclass(kw_only=True)
 class AlgorithmConfig:
-    name: Literal["flow_grpo", "grpo_guard", "diffusion_nft", "awm", "dgpo", "online_dpo"] = "flow_grpo"
+    name: Literal["flow_grpo", "grpo_guard", "diffusion_nft", "awm", "dgpo", "online_dpo", "sft"] = (
+        "flow_grpo"
+    )
     """The RL algorithm (``miles.algorithms``): what the rollout records and the loss.
     ``flow_grpo``: SDE rollouts with per-step log-probs and the clipped-ratio loss (section ``grpo``).
     ``grpo_guard``: Flow-GRPO with GRPO-Guard's normalised ratio and 1/|dt| step weights (``grpo``;
@@ -277,7 +279,9 @@ class AlgorithmConfig:
     clean samples weighted by the group advantage (section ``awm``). ``dgpo``: Direct Group Preference
     Optimization — ODE rollouts, a group-level preference loss on the flow-matching errors (section
     ``dgpo``). ``online_dpo``: Diffusion-DPO on pairs drawn from each group of ODE rollouts (section
-    ``dpo``)."""
+    ``dpo``).
+    ``sft``: supervised flow matching on the videos of data.prompt_file, a JSONL of {"video", "prompt"}
+    (section ``sft``; no rollouts, no rewards in training)."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -417,6 +421,25 @@ class DPOConfig:
 
 
 @dataclasses.dataclass(kw_only=True)
+class SFTConfig:
+    timestep_sampling: Literal["uniform", "logit_normal"] = "uniform"
+    """How ``algorithm.name sft`` draws each sample's noise level before the shift: ``uniform`` u ~ U(0, 1),
+    or ``logit_normal`` u = sigmoid(logit_mean + logit_std * N(0, 1)) (SD3); then sigma = shift*u / (1 + (shift - 1)*u)."""
+    shift: float | None = None
+    """The time shift applied to u (Wan: 3.0 at 480p, 5.0 at 720p); None: rollout.shift; 1: none."""
+    logit_mean: float = 0.0
+    """``logit_normal``: the mean of the normal before the sigmoid."""
+    logit_std: float = 1.0
+    """``logit_normal``: its standard deviation."""
+    caption_dropout: float = 0.0
+    """Fraction of samples trained on the negative prompt's embedding instead of their caption (keeps
+    the unconditional branch that CFG needs; Wan-style fine-tunes use about 0.1)."""
+    cache_latents: bool = True
+    """Keep each video's VAE latents under ``<run>/sft_latents`` (encoded once; resumes and later epochs
+    read them back). False encodes every video each time it is drawn."""
+
+
+@dataclasses.dataclass(kw_only=True)
 class EvalConfig:
     prompt_file: str | None = None
     """Held-out prompts (``.txt`` or ``.jsonl``), sampled deterministically and scored by every
@@ -489,6 +512,7 @@ class Config:
     awm: AWMConfig = dataclasses.field(default_factory=AWMConfig)
     dgpo: DGPOConfig = dataclasses.field(default_factory=DGPOConfig)
     dpo: DPOConfig = dataclasses.field(default_factory=DPOConfig)
+    sft: SFTConfig = dataclasses.field(default_factory=SFTConfig)
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
 
@@ -561,6 +585,31 @@ RANGES: dict[str, tuple[str, str]] = {
     "nft.old_decay_max": ("[0, 1)", ""),
     "nft.old_decay_flat": (">= 0", ""),
     "nft.kl_beta": (">= 0", "0 turns the KL term off"),
+    "awm.num_levels": (">= 1", ""),
+    "awm.timestep_fraction": ("(0, 1]", ""),
+    "awm.ghuber_power": ("> 0", "the reference uses 0.25"),
+    "awm.advantage_max": (">= 0", "0 keeps the advantage unscaled"),
+    "awm.kl_beta": (">= 0", "0 turns the KL term off"),
+    "awm.ema_kl_beta": (">= 0", "0 turns the EMA term off"),
+    "awm.ema_decay_rate": (">= 0", ""),
+    "awm.ema_decay_max": ("[0, 1)", ""),
+    "dgpo.num_levels": (">= 1", ""),
+    "dgpo.timestep_fraction": ("(0, 1]", ""),
+    "dgpo.beta_dpo": ("> 0", "the reference uses 10-100"),
+    "dgpo.kl_beta": (">= 0", "0 turns the KL term off"),
+    "dgpo.reference_guidance_scale": (">= 1", "1: the reference without CFG"),
+    "dgpo.clip_range": (">= 0", "0 turns the clip off"),
+    "dgpo.old_decay_rate": (">= 0", ""),
+    "dgpo.old_decay_max": ("[0, 1)", ""),
+    "dpo.beta": ("> 0", "flow_grpo's SD3 recipe uses 100"),
+    "dpo.reward_margin": (">= 0", ""),
+    "dpo.num_levels": (">= 1", ""),
+    "dpo.timestep_fraction": ("(0, 1]", ""),
+    "dpo.ref_update_every": (">= 0", "0 keeps the initial weights as the reference"),
+    "sft.shift": ("> 0", "1: no shift; unset: rollout.shift"),
+    "sft.logit_mean": ("any", ""),
+    "sft.logit_std": ("> 0", ""),
+    "sft.caption_dropout": ("[0, 1)", ""),
     "eval.every": (">= 0", "0: only at the start and the end"),
     "eval.num_seeds": (">= 1", ""),
     "eval.num_steps": (">= 1", ""),
@@ -659,7 +708,7 @@ def validate(cfg: Config) -> None:
             "rollout.height/width must be multiples of 16",
         ),
         (
-            cfg.rollout.noise_level > 0 or cfg.algorithm.name == "diffusion_nft",
+            cfg.rollout.noise_level > 0 or cfg.algorithm.name not in ("flow_grpo", "grpo_guard"),
             f"rollout.noise_level must be > 0 with algorithm.name {cfg.algorithm.name} (its SDE steps' "
             f"log-probabilities divide by the noise), got {cfg.rollout.noise_level!r}",
         ),
@@ -681,6 +730,10 @@ def validate(cfg: Config) -> None:
             "--train.overwrite deletes the previous run: it needs --train.no-resume",
         ),
         (len(cfg.train.adam_betas) == 2, "train.adam_betas must have two values"),
+        (
+            cfg.algorithm.name != "sft" or (cfg.data.prompt_file or "").endswith(".jsonl"),
+            'algorithm.name sft trains on data.prompt_file: set it to a .jsonl of {"video": ..., "prompt": ...}',
+        ),
         (
             cfg.algorithm.name != "grpo_guard" or cfg.rollout.sde_type == "sde",
             "algorithm.name grpo_guard normalises the ratio of Flow-GRPO's SDE: set rollout.sde_type sde",

@@ -33,6 +33,6 @@ def build_algorithm(cfg) -> Algorithm:
     return _REGISTRY[name](cfg)
 
 
-from miles.algorithms import awm, dgpo, diffusion_nft, flow_grpo, online_dpo  # noqa: E402,F401  (registers)
+from miles.algorithms import awm, dgpo, diffusion_nft, flow_grpo, online_dpo, sft  # noqa: E402,F401  (registers)
 
 __all__ = ["Algorithm", "Policy", "build_algorithm", "register_algorithm", "registered_algorithms"]

@@ -54,6 +54,12 @@ class Algorithm(abc.ABC):
     uses_reference: bool = False
     """Whether the loss needs the reference (initial) policy (a KL term): the trainer then keeps a
     frozen sharded copy of a full fine-tune (LoRA: the adapters are switched off instead)."""
+    batch_source: str = "rollout"
+    """Where a step's latents come from (``miles.train.sources``): ``rollout``, sampled by the policy
+    (``miles.train.collect``), or ``videos``, the encoded videos of a JSONL dataset (supervised)."""
+    uses_rewards: bool = True
+    """Whether training reads the batch's rewards and advantages; False skips decoding and scoring
+    (the logged training reward is then 0: such an algorithm is measured by held-out evaluation)."""
 
     @abc.abstractmethod
     def sde_steps(self, num_steps: int, generator: torch.Generator) -> list[int]:

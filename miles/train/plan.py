@@ -49,6 +49,7 @@ from miles.train.memory_budget import (
 from miles.train.memory_budget import cfg_factor as guidance_factor
 from miles.train.resume import resume_checkpoint
 from miles.train.run_dir import check_run_dir
+from miles.train.sources import check_batch_source
 
 __all__ = ["PlanError", "PlanMemoryError", "RunPlan", "default_attention_backend", "plan_run"]
 
@@ -275,6 +276,7 @@ def _check_inputs(cfg: Config, dp: int, model_path: Path, image_to_video: bool =
                 len(prompts), cfg.data.prompts_per_rank, cfg.data.group_size, dp_rank=0, dp_size=dp
             )
         ),
+        lambda: check_batch_source(cfg),  # e.g. SFT's video JSONL: every line and video
         lambda: _check_rewards(cfg),
         lambda: _check_image_rewards(cfg, image_to_video),
     )

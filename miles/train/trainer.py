@@ -68,6 +68,7 @@ from miles.train.reward_failure import GuardedRewards, reward_failed
 from miles.train.run_dir import clear_run_dir, lock_run_dir
 from miles.train.runtime import deterministic_kernels, init_distributed, peak_memory_gib
 from miles.train.score import NonFiniteError, score
+from miles.train.sources import batch_source, unscored
 from miles.train.stop import GracefulStop, StopRequested
 
 
@@ -172,6 +173,8 @@ class Trainer:
             progress=self.progress,
         )
         self.run_lock = lock_run_dir(self.run_dir)  # one launch per run directory, before any write
+        # rollouts, or the batches of the source the algorithm declares (miles.train.sources)
+        self.collector = batch_source(self.algorithm, self.collector)
         self._open_run_dir()
         if self.resume_from is not None:
             self._resume(self.resume_from)
@@ -273,6 +276,8 @@ class Trainer:
 
     def score(self, batch: RolloutBatch) -> Scores:
         """Decode, reward and normalise the batch (:mod:`miles.train.score`); sets its advantages."""
+        if not self.algorithm.uses_rewards:
+            return unscored(batch, self.mesh.dp_size)
         return score(
             batch,
             self.rewards,

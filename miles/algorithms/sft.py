@@ -1,0 +1,161 @@
+"""Supervised fine-tuning (SFT): Wan's flow-matching objective on the videos of a dataset.
+
+There is no rollout: the batch source is ``videos`` (``miles.train.sources``), the clean latents
+x0 of the JSONL's videos (``data.prompt_file``), VAE-encoded once. For each sample a noise level
+σ (u drawn uniform or logit-normal, ``sft.timestep_sampling``, then time-shifted as the sampler
+shifts, σ = s·u / (1 + (s − 1)·u)) and Gaussian noise ε give
+
+    x_σ = (1 − σ)·x0 + σ·ε,        loss = mean_samples mean_elements (v_θ(x_σ, 1000·σ, c) − (ε − x0))²
+
+on the conditional velocity (CFG-free; ``sft.caption_dropout`` trains a fraction of samples on the
+negative prompt's embedding so that CFG keeps an unconditional branch). Every sample has its own σ:
+the model's timestep is (B,), or one per token, (B, S), for Wan2.2's ``expand_timesteps``, with 0
+on the tokens of a first-frame image condition, which carry no loss.
+
+Two experts: every rank must run the same expert at each pass (FSDP's collectives pair up by call
+order), so each optimizer step draws its expert from a generator shared by all ranks (keyed by the
+rollout and the step), with the probability of the expert's σ range under the density, and every
+sample of the step draws its σ within that range: over steps each expert is trained on exactly
+the density restricted to its range. σ, ε and the caption dropout are keyed by the sample's global
+index, so dp and sp layouts draw the same numbers.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from miles.algorithms import register_algorithm
+from miles.algorithms.base import Algorithm, Policy
+from miles.parallel.fsdp import compute_dtype
+from miles.rollout.batch import MicroBatch, RolloutBatch
+from miles.rollout.condition import generated
+from miles.rollout.sampler import NUM_TRAIN_TIMESTEPS
+
+_METRICS = ("loss", "sigma_mean")
+
+
+def shifted(u: Tensor, shift: float) -> Tensor:
+    """The sampler's time shift: s·u / (1 + (s − 1)·u)."""
+    return shift * u / (1.0 + (shift - 1.0) * u)
+
+
+def sigma_of_quantile(q: Tensor, sampling: str, shift: float, mean: float = 0.0, std: float = 1.0) -> Tensor:
+    """σ at quantile ``q`` in [0, 1] of the training density: u = q (``uniform``) or
+    u = sigmoid(mean + std·Φ⁻¹(q)) (``logit_normal``), then shifted."""
+    u = q if sampling == "uniform" else torch.sigmoid(mean + std * torch.special.ndtri(q))
+    return shifted(u, shift)
+
+
+def quantile_of_sigma(
+    sigma: float, sampling: str, shift: float, mean: float = 0.0, std: float = 1.0
+) -> float:
+    """The inverse of :func:`sigma_of_quantile` (where an expert's σ range starts)."""
+    s = torch.tensor(sigma, dtype=torch.float64)
+    u = s / (shift - (shift - 1.0) * s)
+    if sampling == "uniform":
+        return float(u)
+    return float(torch.special.ndtr((torch.logit(u) - mean) / std))
+
+
+def flow_matching_loss(v: Tensor, x0: Tensor, noise: Tensor) -> Tensor:
+    """Per-sample mean squared error (B,) of the velocity ``v`` against the flow's target ε − x0, fp32."""
+    dims = tuple(range(1, v.ndim))
+    return ((v.float() - (noise.float() - x0.float())) ** 2).mean(dim=dims)
+
+
+def conditional_velocity(
+    model, x_t: Tensor, sigma: Tensor, context: Tensor, condition=None, expand_timesteps: bool = False
+) -> Tensor:
+    """The model's velocity (fp32) at latents ``x_t`` (B, C, F, H, W), one σ per sample (B,), text
+    ``context`` (B, L, D); inputs as ``predict_velocity`` passes them (timestep fp32, unrounded)."""
+    dtype = compute_dtype(model)
+    x = (x_t if condition is None else condition.model_input(x_t)).to(dtype)
+    t = (sigma * NUM_TRAIN_TIMESTEPS).to(x.device, torch.float32)  # (B,)
+    ones = torch.ones((), device=x.device)
+    if condition is not None:  # (B,) or (B, S) with 0 on the first frame's tokens
+        per = condition.timestep(ones, x, model.config.patch_size, x.shape[0])
+        t = per * (t[:, None] if per.ndim == 2 else t)
+    elif expand_timesteps:
+        pt, ph, pw = model.config.patch_size
+        _, _, f, h, w = x.shape
+        t = t[:, None].expand(-1, (f // pt) * (h // ph) * (w // pw))
+    image = None if condition is None or condition.image_embeds is None else condition.image_embeds.to(dtype)
+    extra = {} if image is None else {"encoder_hidden_states_image": image}  # Wan2.1-I2V only
+    out = model(
+        hidden_states=x,
+        timestep=t,
+        encoder_hidden_states=context.to(x.device, dtype),
+        return_dict=False,
+        **extra,
+    )[0]
+    return out.float()
+
+
+@register_algorithm("sft")
+class SFT(Algorithm):
+    name = "sft"
+    batch_source = "videos"
+    uses_rewards = False
+
+    def __init__(self, cfg):
+        self.sft = cfg.sft
+        self.shift = cfg.sft.shift if cfg.sft.shift is not None else cfg.rollout.shift
+
+    def sde_steps(self, num_steps: int, generator: torch.Generator) -> list[int]:
+        return []  # nothing is sampled
+
+    def forwards_per_sample(self, batch: RolloutBatch) -> int:
+        return 1
+
+    def _density(self) -> dict:
+        s = self.sft
+        return dict(sampling=s.timestep_sampling, shift=self.shift, mean=s.logit_mean, std=s.logit_std)
+
+    def expert_range(self, policy: Policy, rollout: int, step_in_rollout: int) -> tuple[int, float, float]:
+        """(expert, q_lo, q_hi): the step's expert and the quantile range its samples draw from,
+        the same on every rank."""
+        if len(policy.transformers) == 1:
+            return 0, 0.0, 1.0
+        q_b = quantile_of_sigma(policy.boundary_ratio, **self._density())
+        high = float(torch.rand((), generator=policy.generator(8, rollout, step_in_rollout))) >= q_b
+        return (0, q_b, 1.0) if high else (1, 0.0, q_b)
+
+    def draws(
+        self, policy: Policy, rollout: int, ids: list[int], shape, q_range: tuple[float, float]
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Per sample, keyed by its global index: σ (B,), noise (B, *shape) and the caption-dropout mask (B,)."""
+        lo, hi = q_range
+        q, noise, drop = [], [], []
+        for i in ids:
+            g = policy.generator(7, rollout, i)
+            q.append(lo + (hi - lo) * torch.rand((), generator=g, dtype=torch.float64))
+            noise.append(torch.randn(shape, generator=g))
+            drop.append(torch.rand((), generator=g) < self.sft.caption_dropout)
+        sigma = sigma_of_quantile(torch.stack(q), **self._density()).float()
+        return sigma, torch.stack(noise), torch.stack(drop)
+
+    def accumulate(
+        self, policy: Policy, batch: RolloutBatch, chunks: list[MicroBatch], step_in_rollout: int = 0
+    ) -> dict[str, float]:
+        samples = sum(c.rollout.final_latents.shape[0] for c in chunks)
+        expert, lo, hi = self.expert_range(policy, batch.rollout_index, step_in_rollout)
+        model = policy.transformers[expert]
+        sums = dict.fromkeys(_METRICS, 0.0)
+        for chunk in chunks:
+            x0 = chunk.rollout.final_latents.float()
+            ids = batch.sample_ids[chunk.slice].tolist()
+            sigma, noise, drop = self.draws(policy, batch.rollout_index, ids, x0.shape[1:], (lo, hi))
+            sigma, noise, drop = sigma.to(x0.device), noise.to(x0.device), drop.to(x0.device)
+            s = sigma.view(-1, *[1] * (x0.ndim - 1))
+            x_t = (1.0 - s) * x0 + s * noise
+            neg = chunk.neg.to(chunk.pos.device, chunk.pos.dtype).expand_as(chunk.pos)
+            context = torch.where(drop.to(chunk.pos.device).view(-1, 1, 1), neg, chunk.pos)
+            v = conditional_velocity(model, x_t, sigma, context, chunk.condition, policy.expand_timesteps)
+            # a first-frame image condition's frame is clean: no loss on it
+            per_sample = flow_matching_loss(*generated(chunk.condition, v, x0, noise))
+            loss = per_sample.sum() / samples
+            loss.backward()
+            sums["loss"] += float(loss.detach())
+            sums["sigma_mean"] += float(sigma.sum()) / samples
+        return sums
