@@ -62,7 +62,7 @@ def check_rollout_precision(
     if device_type != "cuda":
         raise ValueError(
             f"rollout.precision fp8 needs a CUDA GPU of compute capability >= 8.9 (H100, H200, L40S); "
-            f"this run is on {device_type}: {fix}"
+            f"this run is on {device_type}: run it on such a GPU {fix}"
         )
     if model_dtype != "bfloat16":
         raise ValueError(
@@ -76,7 +76,7 @@ def check_rollout_precision(
     if torchao_found is None:
         torchao_found = importlib.util.find_spec("torchao") is not None
     if not torchao_found:
-        raise ValueError(f"rollout.precision fp8 needs torchao: {_INSTALL}, {fix}")
+        raise ValueError(f"rollout.precision fp8 needs torchao: {_INSTALL} {fix}")
     if capability is None and torch.cuda.is_available():
         capability = torch.cuda.get_device_capability()
     if capability is None:
@@ -87,7 +87,7 @@ def check_rollout_precision(
     if tuple(capability) < FP8_MIN_CAPABILITY:
         raise ValueError(
             f"rollout.precision fp8 needs CUDA compute capability >= 8.9 (H100, H200, L40S); this GPU is "
-            f"sm {capability[0]}{capability[1]}: {fix}"
+            f"sm {capability[0]}{capability[1]}: use such a GPU {fix}"
         )
     return []
 

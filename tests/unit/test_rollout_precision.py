@@ -108,7 +108,9 @@ def test_config_checks():
 def test_precision_checks_name_the_fix():
     ok = dict(model_dtype="bfloat16", rollout_unsharded=True)
     assert check_rollout_precision("bf16", "cpu", model_dtype="float32", rollout_unsharded=False) == []
-    with pytest.raises(ValueError, match="this run is on cpu: or set rollout.precision bf16"):
+    with pytest.raises(
+        ValueError, match="this run is on cpu: run it on such a GPU or set rollout.precision bf16"
+    ):
         check_rollout_precision("fp8", "cpu", **ok)
     with pytest.raises(ValueError, match="sm 80"):
         check_rollout_precision("fp8", "cuda", capability=(8, 0), torchao_found=True, **ok)
