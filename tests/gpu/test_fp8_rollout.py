@@ -72,18 +72,17 @@ def test_fp8_forward_is_close_and_restored():
     assert torch.equal(after, ref)
 
 
-@pytest.fixture(scope="module")
-def nccl_world():
+def _nccl_world() -> None:
+    """A world of one rank over NCCL (not a fixture: the GPU machine runs these without pytest)."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29543")
         dist.init_process_group("nccl", rank=0, world_size=1)
-    yield
 
 
-def test_fp8_rollout_through_the_trainer_wrapping(nccl_world):
+def test_fp8_rollout_through_the_trainer_wrapping():
     from miles.grpo.tis import DriftStats
     from miles.parallel.fsdp import unsharded_for_rollout
     from miles.parallel.topology import ParallelDims, build_parallel_mesh
@@ -91,6 +90,7 @@ def test_fp8_rollout_through_the_trainer_wrapping(nccl_world):
     from miles.rollout.sampler import compute_log_prob, sample_with_logprob
     from miles.train.parallelize import parallelize_expert
 
+    _nccl_world()
     mesh = build_parallel_mesh(ParallelDims(world_size=1, sequence_parallel_size=1), "cuda")
     model = _model(torch.float32)
     parallelize_expert(model, mesh, attention_backend="_native_cudnn", param_dtype=torch.bfloat16)
