@@ -309,3 +309,28 @@ def test_tis_cap_zero_is_the_uncorrected_loss_with_the_drift_logged():
         assert all(torch.equal(a, b) for a, b in zip(g_bf[m], g_fp[m]))
         assert s_fp[m]["tis_logp_gap"] > 0 and s_fp[m]["tis_capped_frac"] == 0.0
         assert "tis_logp_gap" not in s_bf[m]
+
+
+def test_dry_run_reports_fp8_where_it_cannot_check_the_gpu(monkeypatch):
+    import importlib.util
+
+    from miles.config import parse_args
+    from miles.train.dry_run import format_report
+    from miles.train.plan import plan_run
+
+    if torch.cuda.is_available():
+        pytest.skip("checks the warning given where no GPU is visible")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: object() if name == "torchao" else real(name, *a)
+    )
+    args = ["--config", "configs/tiny_cpu.yaml", "--rollout.precision", "fp8", "--model.dtype", "bfloat16"]
+    cfg, _ = parse_args(args)
+    plan = plan_run(cfg, 1, device_type="cuda")
+    assert any("no CUDA device visible" in w for w in plan.warnings)
+    text = format_report(plan)
+    assert "rollout in fp8 (bf16 old log-probs, importance weights capped at 2)" in text
+    # the rollout peak counts the float8 copy: one byte per expert parameter more than bf16
+    bf16_plan = plan_run(parse_args(args[:2] + args[4:])[0], 1, device_type="cuda")
+    extra = plan.resident.gathered_rollout - bf16_plan.resident.gathered_rollout
+    assert extra == max(plan.sizes.expert_params)
