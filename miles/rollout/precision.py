@@ -22,6 +22,7 @@ refuses anything else at plan time, so the dry run refuses it too.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 from collections.abc import Callable, Iterator, Sequence
 
@@ -123,9 +124,12 @@ def swapped_linears(modules: Sequence[nn.Module], convert: Callable[[nn.Linear],
             setattr(parent, name, lin)
 
 
-def fp8_linear(linear: nn.Linear) -> nn.Module:
+def fp8_linear(linear: nn.Linear, fast_accum: bool = True) -> nn.Module:
     """A float8 copy of ``linear`` (torchao, dynamic per-row activation and weight scales): its
-    weight is the gathered one read once, never written."""
+    weight is the gathered one read once, never written. ``fast_accum``: torchao's default
+    ``torch._scaled_mm`` mode (Hopper's FP8 accumulation without periodic promotion: faster, less
+    exact over long inner dimensions); False accumulates as precisely as the hardware allows."""
+    from torchao.float8.inference import Float8MMConfig
     from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
 
     with torch.device("meta"):
@@ -134,19 +138,24 @@ def fp8_linear(linear: nn.Linear) -> nn.Module:
     if linear.bias is not None:
         copy.bias = nn.Parameter(linear.bias.detach(), requires_grad=False)
     # set_inductor_config would switch on coordinate-descent tuning for every compile in the process.
-    config = Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), set_inductor_config=False)
+    config = Float8DynamicActivationFloat8WeightConfig(
+        granularity=PerRow(), mm_config=Float8MMConfig(use_fast_accum=fast_accum), set_inductor_config=False
+    )
     quantize_(copy, config)
     return copy
 
 
 @contextlib.contextmanager
-def rollout_precision(modules: Sequence[nn.Module], precision: str) -> Iterator[None]:
+def rollout_precision(
+    modules: Sequence[nn.Module], precision: str, *, fast_accum: bool = True
+) -> Iterator[None]:
     """Sample with ``modules`` (gathered experts) in ``precision``: ``bf16`` changes nothing,
-    ``fp8`` swaps their block Linear layers for :func:`fp8_linear` copies for the context."""
+    ``fp8`` swaps their block Linear layers for :func:`fp8_linear` copies for the context
+    (``fast_accum``: see there; the trainer keeps torchao's default)."""
     if precision == "bf16":
         yield
         return
     if precision != "fp8":
         raise ValueError(f"rollout.precision must be one of {PRECISIONS}, got {precision!r}")
-    with torch.no_grad(), swapped_linears(modules, fp8_linear):
+    with torch.no_grad(), swapped_linears(modules, functools.partial(fp8_linear, fast_accum=fast_accum)):
         yield
