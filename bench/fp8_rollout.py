@@ -71,7 +71,7 @@ def build_expert(name: str, device: torch.device, compile_blocks: bool):
         model,
         mesh,
         attention_backend=default_attention_backend(device),
-        param_dtype=torch.bfloat16 if device.type == "cuda" else None,
+        param_dtype=torch.bfloat16,  # FP8 quantizes bf16 weights (the plan requires model.dtype bfloat16)
         reduce_dtype=torch.float32,
         compile_blocks=compile_blocks,
     )
@@ -160,7 +160,7 @@ def bench_frames(model, spec, frames: int, args, device, flops_forward) -> dict:
     latent = (t["in_channels"], (frames - 1) // 4 + 1, h // 8, w // 8)
     tokens = latent[1] * (latent[2] // 2) * (latent[3] // 2)
     g = torch.Generator().manual_seed(0)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = torch.bfloat16
     pos = torch.randn(args.samples, TEXT_TOKENS, t["text_dim"], generator=g).to(device, dtype)
     neg = torch.randn(1, TEXT_TOKENS, t["text_dim"], generator=g).to(device, dtype)
     init = torch.randn(args.samples, *latent, generator=g).to(device)
