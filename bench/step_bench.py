@@ -19,7 +19,9 @@ counted): rollout = samples x steps x CFG forwards; train = samples x SDE steps 
 + backward) + the KL reference's forwards. MFU = FLOPs / time / 782 TFLOP/s (bf16 dense, H200),
 over each phase and over the whole step (decode and reward count as time, not FLOPs). Checkpoint
 saving and export are switched off (they are the rehearsal's business). Writes ``<reward>.json``,
-``<reward>.md`` and ``step_bench.md`` to ``--out``.
+``<reward>.md`` and ``step_bench.md`` to ``--out``. ``--rollout-precision fp8`` samples the rollouts
+in float8 (``rollout.precision``; the train phase then includes the bf16 old log-probs' recompute
+for the micro-batches of later optimizer steps, if any).
 """
 
 from __future__ import annotations
@@ -130,6 +132,7 @@ def build_config(args, reward: str, model_path: Path, clip_path: Path | None):
         "reward.weights": {reward if reward == "pickscore" else "jpeg_incompressibility": 1.0},
         "reward.pickscore_path": str(clip_path) if clip_path else None,
         "reward.pickscore_processor_path": None,
+        "rollout.precision": args.rollout_precision,
     }
     if args.model == "tiny":  # the tiny model's text encoder is not UMT5-XXL: shorter prompts
         fields.update({"data.max_sequence_length": 64, "model.dtype": "float32", "model.compile": "off"})
@@ -249,6 +252,7 @@ def run_one(args, reward: str) -> dict:
         "samples": cfg.data.prompts_per_rank * cfg.data.group_size,
         "num_steps": r.num_steps,
         "num_sde_steps": num_sde,
+        "rollout_precision": cfg.rollout.precision,
         "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "flops": flops,
@@ -274,7 +278,8 @@ def markdown(results: list[dict]) -> str:
     first = results[0]
     head = (
         f"{first['model']}, {'x'.join(map(str, first['shape']))} ({first['tokens']} tokens), {first['samples']} samples, "
-        f"{first['num_steps']} steps, {first['num_sde_steps']} SDE steps, on {first['device']} "
+        f"{first['num_steps']} steps, {first['num_sde_steps']} SDE steps, "
+        f"{first.get('rollout_precision', 'bf16')} rollouts, on {first['device']} "
         f"(mean of the rollouts after the first)"
     )
     return head + "\n\n" + "\n".join(lines) + "\n"
@@ -291,6 +296,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sde-window", type=int, default=2)
     ap.add_argument("--rollouts", type=int, default=3)
     ap.add_argument("--budget-gib", type=float, default=100.0)
+    ap.add_argument(
+        "--rollout-precision",
+        choices=["bf16", "fp8"],
+        default="bf16",
+        help="rollout.precision (fp8: CUDA sm >= 89 and torchao; docs/fp8_rollout.md)",
+    )
     ap.add_argument("--rewards", nargs="+", default=["jpeg", "pickscore"], choices=["jpeg", "pickscore"])
     ap.add_argument("--reward", choices=["jpeg", "pickscore"], help=argparse.SUPPRESS)  # one, in this process
     args = ap.parse_args(argv)

@@ -184,6 +184,17 @@ class RolloutConfig:
     """[lo, hi): the window's first step is drawn uniformly from this range each rollout."""
     same_noise_per_group: bool = False
     """Start every sample of a group from the same initial noise."""
+    precision: Literal["bf16", "fp8"] = "bf16"
+    """The rollout's arithmetic: ``bf16`` samples with the trained weights in the compute dtype;
+    ``fp8`` quantizes the gathered expert's block Linear layers to float8 (torchao, dynamic per-row
+    activation and weight scales) once per rollout phase, on CUDA sm >= 89 only (``pip install
+    -e '.[fp8]'``); training stays bf16 and the loss corrects for the drift (``tis_cap``,
+    docs/fp8_rollout.md)."""
+    tis_cap: float = 2.0
+    """With a rollout policy that differs from the trained one (``precision: fp8``): the truncated
+    importance weight min(exp(logp_bf16 - logp_rollout), tis_cap) multiplying each sample-step's
+    policy loss, whose ratio then uses the bf16 log-probs as old ones. 0: no correction (the old
+    log-probs are the rollout's; the drift is still logged). Else >= 1."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -585,6 +596,7 @@ RANGES: dict[str, tuple[str, str]] = {
     "nft.old_decay_max": ("[0, 1)", ""),
     "nft.old_decay_flat": (">= 0", ""),
     "nft.kl_beta": (">= 0", "0 turns the KL term off"),
+    "rollout.tis_cap": (">= 0", "0: no correction; otherwise >= 1, 2 is usual"),
     "awm.num_levels": (">= 1", ""),
     "awm.timestep_fraction": ("(0, 1]", ""),
     "awm.ghuber_power": ("> 0", "the reference uses 0.25"),
@@ -725,6 +737,15 @@ def validate(cfg: Config) -> None:
             "rollout.noise_level must be in (0, 1] with rollout.sde_type cps (sigma_t = sigma_next * sin(a*pi/2))",
         ),
         (len(cfg.rollout.sde_window_range) == 2, "rollout.sde_window_range must be [lo, hi]"),
+        (
+            cfg.rollout.tis_cap == 0 or cfg.rollout.tis_cap >= 1,
+            "rollout.tis_cap must be >= 1 (the truncation cap of the importance weight; 2 is usual) or 0 (no correction)",
+        ),
+        (
+            cfg.rollout.precision == "bf16" or cfg.algorithm.name != "grpo_guard",
+            "rollout.precision fp8 corrects Flow-GRPO's plain ratio; GRPO-Guard's normalised ratio would need "
+            "the bf16 policy's old means: use algorithm.name flow_grpo or rollout.precision bf16",
+        ),
         (
             not (cfg.train.overwrite and cfg.train.resume),
             "--train.overwrite deletes the previous run: it needs --train.no-resume",

@@ -19,6 +19,10 @@ recomputed log-probs, and the reference's, use no CFG whatever the rollout used.
 changes: the normalised ratio (``miles.grpo.losses``; the rollout records each step's mean for
 it) and the per-step gradient reweighting 1/|dt| of its paper and of verl-omni's
 ``GRPOGuardLoss``. Sampling is unchanged.
+
+FP8 rollouts (``rollout.precision: fp8``): the ratio's old log-probs are the bf16 policy's, and each
+sample-step is weighted by the truncated importance weight against the FP8 rollout's
+(``miles.algorithms.rollout_correction``, ``miles.grpo.tis``).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import torch
 
 from miles.algorithms import register_algorithm
 from miles.algorithms.base import Algorithm, Policy
+from miles.algorithms.rollout_correction import RolloutCorrection
 from miles.grpo.losses import grpo_policy_loss
 from miles.rollout.batch import MicroBatch, RolloutBatch
 from miles.rollout.sampler import compute_log_prob, sde_step_indices
@@ -45,6 +50,8 @@ class FlowGRPO(Algorithm):
     def __init__(self, cfg):
         self.rollout, self.grpo = cfg.rollout, cfg.grpo
         self.uses_reference = cfg.grpo.kl_beta > 0
+        # rollout.precision fp8: bf16 old log-probs and truncated importance weights (docs/fp8_rollout.md)
+        self.correction = RolloutCorrection(cfg.rollout.tis_cap) if cfg.rollout.precision != "bf16" else None
 
     def sde_steps(self, num_steps: int, generator: torch.Generator) -> list[int]:
         r = self.rollout
@@ -103,13 +110,24 @@ class FlowGRPO(Algorithm):
         samples = sum(c.rollout.log_probs.shape[0] for c in chunks)
         sums = dict.fromkeys(_METRICS, 0.0)
         canary = 0.0
+        if self.correction is not None:
+
+            def recompute(c: MicroBatch, k: int) -> torch.Tensor:
+                return self._log_prob(policy.transformers, policy, c.rollout, k, c)[0]
+
+            self.correction.begin(recompute, batch, chunks, step_in_rollout)
         for chunk in chunks:
             ro = chunk.rollout
             adv = batch.advantages[chunk.slice]
             weight = ro.log_probs.shape[0] / (samples * num_k)
             for k in range(num_k):
                 log_prob, mean, std = self._log_prob(policy.transformers, policy, ro, k, chunk)
-                old = ro.log_probs[:, k].to(log_prob.device)
+                old = rollout_old = ro.log_probs[:, k].to(log_prob.device)
+                tis = None
+                if self.correction is not None:
+                    old, tis = self.correction.old_and_weight(
+                        chunk, k, log_prob, old, weight, step_in_rollout
+                    )
                 ref_mean = self._reference_mean(policy, ro, k, chunk) if self.grpo.kl_beta > 0 else None
                 out = grpo_policy_loss(
                     log_prob,
@@ -122,13 +140,15 @@ class FlowGRPO(Algorithm):
                     std=std,
                     policy_weight=self._step_weight(ro, k),
                     old_mean=ro.means[:, k].to(mean.device) if self.ratio_norm else None,
+                    sample_weight=tis,
                 )
                 (out.loss * weight).backward()
-                canary += (log_prob.detach() - old).abs().mean().item() * weight
+                canary += (log_prob.detach() - rollout_old).abs().mean().item() * weight
                 values = (out.loss, out.policy_loss, out.kl, out.clipfrac, out.approx_kl, out.ratio_mean)
                 for key, value in zip(_METRICS, values):
                     sums[key] += float(value.detach()) * weight
-        return {**sums, "log_prob_mean_abs_diff": canary}
+        drift = self.correction.metrics() if self.correction is not None else {}
+        return {**sums, "log_prob_mean_abs_diff": canary, **drift}
 
 
 @register_algorithm("grpo_guard")

@@ -76,6 +76,7 @@ def grpo_policy_loss(
     std: Tensor | None = None,
     policy_weight: float = 1.0,
     old_mean: Tensor | None = None,
+    sample_weight: Tensor | None = None,
 ) -> PolicyLoss:
     """Clipped-ratio loss for one step of B samples: log-probs and advantages are (B,).
 
@@ -83,7 +84,8 @@ def grpo_policy_loss(
     (reference policy's) and ``std`` are required. ``policy_weight`` scales the policy term of
     ``loss`` (a per-step weight; ``policy_loss`` is reported unweighted). With ``old_mean`` (the
     rollout's SDE mean of this step), the ratio is GRPO-Guard's normalised one (module docstring);
-    it needs ``mean`` and ``std`` too.
+    it needs ``mean`` and ``std`` too. ``sample_weight`` (B,), detached: each sample's clipped term
+    is multiplied by it before the mean (truncated importance weights, ``miles.grpo.tis``).
     """
     if not (log_prob.shape == old_log_prob.shape == advantages.shape) or log_prob.ndim != 1:
         raise ValueError(
@@ -101,7 +103,14 @@ def grpo_policy_loss(
     adv = advantages.float()
     unclipped = -adv * ratio
     clipped = -adv * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
-    policy_loss = torch.maximum(unclipped, clipped).mean()
+    per_sample = torch.maximum(unclipped, clipped)
+    if sample_weight is not None:
+        if sample_weight.shape != per_sample.shape:
+            raise ValueError(
+                f"sample_weight must be (B,) = {tuple(per_sample.shape)}, got {tuple(sample_weight.shape)}"
+            )
+        per_sample = per_sample * sample_weight.detach().float()
+    policy_loss = per_sample.mean()
 
     if beta > 0:
         if mean is None or ref_mean is None or std is None:

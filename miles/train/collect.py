@@ -22,6 +22,7 @@ from miles.parallel.fsdp import unsharded_for_rollout
 from miles.rollout.batch import MicroBatch, RolloutBatch
 from miles.rollout.condition import conditions_of
 from miles.rollout.guidance import guidance_scales
+from miles.rollout.precision import rollout_precision
 from miles.rollout.prompt_cache import PromptCache
 from miles.rollout.sampler import begin_sampling, expert_phases
 from miles.train.stop import StopRequested, maybe_inject_signal
@@ -176,10 +177,13 @@ class Collector:
         experts = self.algorithm.rollout_transformers(self.policy)
         phases = expert_phases(r.num_steps, r.shift, self.model.boundary_ratio, len(experts))
         for phase, (e, start, stop) in enumerate(phases):
-            with unsharded_for_rollout(
-                [experts[e]],
-                enabled=cfg.parallel.rollout_unsharded,
-                reshard_after_forward=cfg.parallel.reshard_after_forward,
+            with (
+                unsharded_for_rollout(
+                    [experts[e]],
+                    enabled=cfg.parallel.rollout_unsharded,
+                    reshard_after_forward=cfg.parallel.reshard_after_forward,
+                ),
+                rollout_precision([experts[e]], r.precision),  # fp8: a float8 copy of the gathered expert
             ):
                 desc = f"rollout expert {e + 1}/{len(experts)}"
                 for mb, run in enumerate(_bar(runs, desc, self.progress)):

@@ -217,8 +217,17 @@ def _sequence_lines(seq: dict, sp: int) -> list[str]:
         )
         + f"); {_n(seq['tokens_per_rank_in_attention'])} in attention after the all-to-all (S/ring)",
         f"          {seq['text_tokens']} text tokens; {seq['samples_per_rank']} samples per dp rank, micro batch "
-        f"{seq['micro_batch']}{cfg_note} per forward; {seq['num_sde_steps']} SDE steps trained",
+        f"{seq['micro_batch']}{cfg_note} per forward; {seq['num_sde_steps']} SDE steps trained"
+        + _precision_note(seq),
     ]
+
+
+def _precision_note(seq: dict) -> str:
+    if seq.get("rollout_precision", "bf16") == "bf16":
+        return ""
+    cap = seq["tis_cap"]
+    fix = f"bf16 old log-probs, importance weights capped at {cap:g}" if cap else "no correction (tis_cap 0)"
+    return f"; rollout in {seq['rollout_precision']} ({fix})"
 
 
 def _param_memory_lines(rep: dict) -> list[str]:

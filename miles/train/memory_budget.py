@@ -28,7 +28,9 @@ micro batch x 2 with CFG, T = tokens per sp rank, D / F = hidden / FFN size.
     gathered_train   (root + 2 blocks)·c           FSDP's current + prefetched unit (whole expert when
                                                    ``reshard_after_forward`` is off)
     gathered_rollout max expert·c                  ONE expert unsharded at a time (rollout_unsharded;
-                                                   else as gathered_train)
+                                                   else as gathered_train); rollout.precision fp8 adds
+                                                   its float8 copy, max expert·1 (an upper bound: the
+                                                   blocks' Linear weights)
     rollout_workspace B·T·(16·D + 2·F)·c           one block's no-grad working set (rough)
     decode_workspace  m·(2·3·f·h·w·4 + k·d·h'·w'·v)   one micro-batch of m videos decoded: the fp32
                                                    video and its concatenation, plus the decoder's
@@ -219,7 +221,9 @@ class ResidentMemory:
             rewards=float(reward_bytes),
             buffers=_buffer_bytes(shape, sizes.text_dim, c),
             gathered_train=in_flight,
-            gathered_rollout=max(sizes.expert_params) * c if p.rollout_unsharded else in_flight,
+            gathered_rollout=max(sizes.expert_params) * (c + (cfg.rollout.precision == "fp8"))
+            if p.rollout_unsharded
+            else in_flight,
             rollout_workspace=shape.micro_batch
             * shape.cfg_factor
             * shape.tokens_per_rank

@@ -8,7 +8,8 @@ image-to-video components), the mesh (world size vs ``--sequence-parallel-size``
 degree vs the heads, HSDP replicas, Ulysses groups inside a node), the run directory and the
 checkpoint to resume (its files' sha256 included), the model folder's files (every JSON parses, no
 safetensors cut short: :mod:`miles.models.fingerprint`), the prompt files (and their images), the
-rewards — every one of those inputs checked, and all refused at once — the attention backend vs
+rewards, the rollout precision (``fp8``: CUDA sm >= 89 and torchao) — every one of those inputs
+checked, and all refused at once — the attention backend vs
 the ring, the model's SP plan, the SDE schedule, the LoRA targets and the per-rank memory budget
 (:mod:`miles.train.memory_budget`). A refused setting raises :class:`PlanError` (a ``ConfigError``,
 so a ``ValueError``) whose message names the fix.
@@ -33,6 +34,7 @@ from miles.models.wan import DTYPES, WanModel
 from miles.parallel.compile import resolve_compile
 from miles.parallel.topology import ParallelDims, valid_ulysses_degrees
 from miles.parallel.topology_checks import check_ulysses_within_node, local_world_size_from_env
+from miles.rollout.precision import check_rollout_precision
 from miles.train.input_checks import collect_errors, join_errors
 from miles.train.memory_budget import (
     ALLOCATOR_SLACK,
@@ -171,6 +173,7 @@ def plan_run(
     image_to_video = model.condition_mode is not None
     inputs = _check_inputs(cfg, dims.dp, model.path, image_to_video)
     warnings += config_warnings(cfg)
+    warnings += _check_precision(cfg, device_type)
     mesh["node_note"] = _node_note(dims, world_size, local_world_size, local_source)
     sp_plan = _sp_plan_report(cfg, dims, model, device_type)
     sequence, shape = _sequence_report(cfg, dims, model, warnings)
@@ -294,6 +297,19 @@ def _check_inputs(cfg: Config, dp: int, model_path: Path, image_to_video: bool =
         "held_out": held_out,
         "summary": f"{summary}; rewards {rewards}; run dir {run_dir}",
     }
+
+
+def _check_precision(cfg: Config, device_type: str) -> list[str]:
+    """``rollout.precision``: fp8 needs CUDA sm >= 89, torchao, bf16 weights and a gathered rollout."""
+    try:
+        return check_rollout_precision(
+            cfg.rollout.precision,
+            device_type,
+            model_dtype=cfg.model.dtype,
+            rollout_unsharded=cfg.parallel.rollout_unsharded,
+        )
+    except ValueError as e:
+        raise PlanError(str(e)) from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -475,6 +491,8 @@ def _sequence_report(cfg: Config, dims: ParallelDims, model, warnings: list[str]
         "micro_batch": cfg.train.micro_batch_size,  # samples per forward, in rollout and training alike
         "cfg_factor": guidance_factor(cfg, len(model.transformers)),
         "num_sde_steps": num_sde_steps,
+        "rollout_precision": r.precision,
+        "tis_cap": r.tis_cap,
     }, shape
 
 

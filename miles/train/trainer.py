@@ -600,7 +600,9 @@ class Trainer:
             row_metrics = {f"train/{k}": v for k, v in row.items()}
             self.logger.log({**metrics, **row_metrics} if i == 0 else row_metrics, step=step)
         first = step_stats[0]
-        shown = [k for k in ("clipfrac", "old_deviation", "log_prob_mean_abs_diff") if k in first]
+        shown = [
+            k for k in ("clipfrac", "old_deviation", "log_prob_mean_abs_diff", "tis_logp_gap") if k in first
+        ]
         print0(
             f"[rollout {self.rollout_index}] step {self.step} reward mean={float(rewards.mean()):.4f} "
             f"std={float(rewards.std()):.4f} min={float(rewards.min()):.4f} max={float(rewards.max()):.4f} "
