@@ -114,7 +114,7 @@ RUNS.update({f"{name}-lr1e-4": [*RUNS[name], *_LR1E4] for name in list(RUNS)})
 RUNS.update(
     {
         f"{name}-lr3e-4": [*RUNS[name], "--train.learning-rate", "3e-4"]
-        for name in ("nft-dp4", "nft-cfgroll-dp4")
+        for name in ("nft-dp4", "nft-dp4-negated", "nft-cfgroll-dp4")
     }
 )
 # SFT (issue 32): flow matching on renders of the training prompts, the same global batch of 64 samples
