@@ -10,32 +10,38 @@ back from the latent cache).
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from miles.world.sft_data import write_world_sft
-from tests.world_launch import launch_world
+from tests.e2e.multi_run import launch_runs
+from tests.world_launch import NPROC, WORLD
 
 pytestmark = pytest.mark.e2e
+
+DATA = Path(__file__).resolve().parents[2] / ".cache" / "world_sft_e2e"  # rewritten only if incomplete
+
+
+def _flags(rollouts: int) -> list[str]:
+    jsonl = write_world_sft(DATA, videos_per_prompt=1)
+    flags = [*WORLD, "--algorithm.name", "sft", "--data.prompt-file", str(jsonl)]
+    flags += ["--data.group-size", "2", "--data.prompts-per-rank", "4", "--eval.num-seeds", "1"]
+    return [*flags, "--eval.num-steps", "4", "--train.no-export", "--train.num-rollouts", str(rollouts)]
+
+
+def SHARED_RUNS() -> dict[int, dict[str, list[str]]]:  # noqa: N802 (tests/e2e/conftest.py)
+    """The first launch goes into the session's shared 2-process launch; the resume is launched by
+    the test."""
+    return {NPROC: {"sft_world": _flags(1)}}
 
 
 def _rows(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def test_sft_trains_and_resumes(tmp_path):
-    jsonl = write_world_sft(tmp_path / "data", videos_per_prompt=1)
-    flags = ["--algorithm.name", "sft", "--data.prompt-file", str(jsonl), "--data.group-size", "2"]
-    flags += [
-        "--data.prompts-per-rank",
-        "4",
-        "--eval.num-seeds",
-        "1",
-        "--eval.num-steps",
-        "4",
-        "--train.no-export",
-    ]
-    run = launch_world(tmp_path, "sft", *flags, "--train.num-rollouts", "1", timeout_s=600)
+def test_sft_trains_and_resumes(shared_runs, shared_root):
+    run = shared_runs["sft_world"].run_dir
     first = _rows(run / "metrics.jsonl")
     assert [r["step"] for r in first] == [1, 2]
     assert all(0.0 < r["train/sigma_mean"] < 1.0 and r["train/loss"] > 0 for r in first)
@@ -43,7 +49,7 @@ def test_sft_trains_and_resumes(tmp_path):
     cached = set((run / "sft_latents").iterdir())
     assert len(cached) == 8  # dp2 x 4 videos, each encoded once
 
-    launch_world(tmp_path, "sft", *flags, "--train.num-rollouts", "2", timeout_s=600)
+    launch_runs(shared_root, {"sft_world": _flags(2)}, nproc=NPROC, env={"WANDB_MODE": "disabled"})
     rows = _rows(run / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert rows[:2] == first
