@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from miles.config import Config, ConfigError, check_reward_names, config_warnings
@@ -171,7 +172,7 @@ def plan_run(
         raise PlanError(str(e)) from None
     dims, mesh = _mesh_report(cfg, model.num_attention_heads, world_size, world_source, local_world_size)
     image_to_video = model.condition_mode is not None
-    inputs = _check_inputs(cfg, dims.dp, model.path, image_to_video)
+    inputs = _check_inputs(cfg, dims.dp, model.path, image_to_video, all_ranks=strict)
     warnings += config_warnings(cfg)
     warnings += _check_precision(cfg, device_type)
     mesh["node_note"] = _node_note(dims, world_size, local_world_size, local_source)
@@ -247,11 +248,25 @@ def _check_image_rewards(cfg: Config, image_to_video: bool) -> None:
         )
 
 
-def _check_inputs(cfg: Config, dp: int, model_path: Path, image_to_video: bool = False) -> dict:
+def _every_ranks(errors: list[str]) -> list[str]:
+    """Under torch.distributed: the errors of every rank, each once, in rank order, so that all ranks
+    refuse together (some checks answer on rank 0 alone: the run directory's lock). The gather is
+    also the point no rank passes before every rank has checked (rank 0 takes the lock after it)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return errors
+    gathered: list[list[str] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, errors)
+    return list(dict.fromkeys(e for rank_errors in gathered for e in rank_errors or []))
+
+
+def _check_inputs(
+    cfg: Config, dp: int, model_path: Path, image_to_video: bool = False, all_ranks: bool = False
+) -> dict:
     """The checks of run directory, checkpoint to resume, model folder files, prompt files and
     rewards, every one run (a refusal lists them all, :func:`~miles.train.input_checks.join_errors`):
     the run directory, the checkpoint (or None), the model folder's fingerprint, the prompts and
-    held-out prompts, and a summary line."""
+    held-out prompts, and a summary line. ``all_ranks`` (the real run, every rank calling): every
+    rank raises the errors of all of them."""
     prompt_file = cfg.data.prompt_file or TINY_PROMPTS
     run_dir = Path(cfg.run.output_dir) / cfg.run.name
     found: dict[str, Any] = {"resume_from": None, "fingerprint": None}
@@ -283,6 +298,7 @@ def _check_inputs(cfg: Config, dp: int, model_path: Path, image_to_video: bool =
         lambda: _check_rewards(cfg),
         lambda: _check_image_rewards(cfg, image_to_video),
     )
+    errors = _every_ranks(errors) if all_ranks else errors
     if errors:
         raise PlanError(join_errors(errors))
     summary = f"{len(prompts)} prompts from {prompt_file}" + (

@@ -14,7 +14,8 @@ one wandb run and delete each other's checkpoints. Rank 0 takes an exclusive ``f
 ``<run_dir>/.launch.lock`` (:class:`RunDirLock`) after every check has passed and before anything is
 written, and holds it for the life of the process; the kernel drops it when the process ends (also by
 SIGKILL), so a dead launch's lock is never stale. The file names the holder (pid, host, start time,
-command) for the refusal of a second launch. :func:`check_run_dir` also probes the lock, so a second
+command) for the refusal of a second launch. :func:`check_run_dir` also probes the lock (rank 0; the plan
+shares its answer with every rank), so a second
 launch is refused at once, before it loads a model.
 """
 
@@ -138,7 +139,11 @@ def _in_use_error(run_dir: Path) -> ValueError:
 
 
 def check_not_in_use(run_dir: Path) -> None:
-    """Raise ``ValueError`` naming the holder when a live launch holds ``run_dir``'s lock (reads only)."""
+    """Raise ``ValueError`` naming the holder when a live launch holds ``run_dir``'s lock (reads only).
+    Under torch.distributed rank 0 alone probes (it alone takes the lock; the plan shares its answer):
+    another rank would see rank 0's own lock as another launch's once rank 0 has taken it."""
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        return
     lock = Path(run_dir) / LOCK_NAME
     if _held(lock) is not None:
         return

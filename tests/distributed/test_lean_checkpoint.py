@@ -88,7 +88,8 @@ def _run_a(root: Path) -> tuple[str, str]:
 
 
 def _old_style_save(trainer, monkeypatch_target) -> None:
-    """Save ``trainer`` the former way: every parameter, and no model fingerprint."""
+    """Save ``trainer`` the former way: every parameter, no model fingerprint and no ``SHA256SUMS``
+    (digests came later than both)."""
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
@@ -103,6 +104,7 @@ def _old_style_save(trainer, monkeypatch_target) -> None:
         state = json.loads(info.read_text())
         del state["model_fingerprint"]
         info.write_text(json.dumps(state))
+        (info.parent / monkeypatch_target.DIGESTS).unlink()
     dist.barrier()
 
 

@@ -70,6 +70,8 @@ class _StalledTrainer:
         from miles.train.trainer import init_distributed
 
         init_distributed(cfg.run.collective_timeout_s)
+        self.run_dir = Path(cfg.run.output_dir) / cfg.run.name  # nothing there: not a finished run
+        self.rollout_index = self.step = 0
 
     def train(self):
         elapsed, message = _stalled_all_reduce(dist.get_rank())
