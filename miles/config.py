@@ -492,7 +492,7 @@ class TrainConfig:
     checkpoint_every: int = 0
     """Save a checkpoint every N rollouts (and at the end); 0: only at the end."""
     keep_checkpoints: int = 2
-    """Keep the last K checkpoints."""
+    """Keep the last K checkpoints (0 keeps every one)."""
     resume: bool = True
     """Resume from the latest complete checkpoint in the run directory, if any. ``--train.no-resume``
     refuses a run directory that holds a previous run (see ``overwrite``)."""
@@ -634,7 +634,7 @@ RANGES: dict[str, tuple[str, str]] = {
     "train.adam_eps": ("> 0", ""),
     "train.max_grad_norm": ("> 0", ""),
     "train.checkpoint_every": (">= 0", "0: only at the end"),
-    "train.keep_checkpoints": (">= 1", "the last K complete checkpoints are kept"),
+    "train.keep_checkpoints": (">= 0", "the last K complete checkpoints are kept, 0 keeps every one"),
     "train.ema_decay": ("[0, 1)", "0 turns the EMA off"),
 }
 

@@ -45,8 +45,8 @@ def _case(tmp_path: Path, case: str) -> tuple[list[str], str]:
         return ["--train.learning-rate", "inf"], "train.learning_rate must be a finite number, got inf"
     if case == "collective_timeout_0":
         return ["--run.collective-timeout-s", "0"], "run.collective_timeout_s must be > 0"
-    if case == "keep_checkpoints_0":
-        return ["--train.keep-checkpoints", "0"], "train.keep_checkpoints must be >= 1"
+    if case == "keep_checkpoints_negative":
+        return ["--train.keep-checkpoints", "-1"], "train.keep_checkpoints must be >= 0"
     if case == "all_reward_weights_0":
         return ["--reward.weights.jpeg_incompressibility", "0"], "every reward weight is 0"
     if case == "run_name_leaves_output_dir":
@@ -75,7 +75,7 @@ CASES = [
     "guidance_nan",
     "lr_inf",
     "collective_timeout_0",
-    "keep_checkpoints_0",
+    "keep_checkpoints_negative",
     "all_reward_weights_0",
     "run_name_leaves_output_dir",
     "key_given_twice",
