@@ -1,0 +1,332 @@
+"""flow_grpo's own Wan GRPO step beside miles' at a real shape, one after the other on one GPU (issue 35).
+
+    python bench/peer_step.py --flow-grpo .cache/peers/flow_grpo --out OUT            # 1.3B, 81x480x832
+    python bench/peer_step.py --flow-grpo .cache/peers/flow_grpo --out OUT --fit 81 121 161 201
+    python bench/peer_step.py --flow-grpo .cache/peers/flow_grpo --out OUT --model tiny \\
+        --shape 5 64 64 --num-steps 4 --text-tokens 16 --steps 2                      # CPU, seconds
+
+flow_grpo's code stays in its checkout (``--flow-grpo``, as ``bench/peer_learning.py`` loads it:
+its ``wan_pipeline_with_logprob`` sampler, ``compute_log_prob`` read from ``scripts/train_wan2_1.py``,
+the clipped loss of its training loop as ``peer_learning.train_rollout`` writes it out). Its step is
+set up as its script sets it up: diffusers eager (no compile), the transformer in fp32 under bf16
+autocast, ``enable_gradient_checkpointing()``, the VAE in fp32, LoRA r 32 / alpha 64 on its eight
+target modules (``--full``: every weight trained), AdamW; CFG ``--guidance`` with its ``train.cfg``;
+every denoising step is its SDE step and ``⌊timestep_fraction · T⌋`` of them are trained — set to
+``--train-steps`` of the ``--num-steps`` (miles' SDE window). The model is the real config with random
+weights (``bench/real_configs.py``), random text embeddings of ``--text-tokens`` stand in for UMT5's
+(no text encoder on either side's clock: miles caches them too), the samples are decoded by the
+pipeline (``output_type="pt"``) and scored by miles' ``jpeg_incompressibility``, so the phases match
+``bench/step_bench.py``'s: rollout (flow_grpo: sampling), decode + reward, train (all the trained
+steps of the rollout, one optimizer step).
+
+Then ``bench/step_bench.py`` runs miles' step at the same shape, samples, steps, SDE window, guidance
+and reward (``--rewards jpeg``, its own process: LoRA, compiled, cudnn attention, FSDP2). ``--fit``:
+each frame count at ``--shape``'s size, both trainers, each in a process of its own capped at 80 and
+at 141 GiB (``torch.cuda.set_per_process_memory_fraction``; miles also gets the cap as its activation
+budget): the largest that completes one step. Writes ``peer_step.json`` (after every case) and
+``peer_step.md`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.peer_learning import load_peer, peer_config, train_rollout  # noqa: E402
+
+LORA_TARGETS = ["add_k_proj", "add_q_proj", "add_v_proj", "to_add_out", "to_k", "to_out.0", "to_q", "to_v"]
+CAPS_GIB = (80.0, 141.0)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def build_pipeline(args, device: torch.device):
+    """A diffusers ``WanPipeline`` at ``args.model``'s real config, random weights, set up as
+    flow_grpo's script sets it up (no text encoder: the embeddings are given)."""
+    from diffusers import (
+        AutoencoderKLWan,
+        FlowMatchEulerDiscreteScheduler,
+        WanPipeline,
+        WanTransformer3DModel,
+    )
+    from peft import LoraConfig, get_peft_model
+
+    from bench.real_configs import model_spec
+
+    spec = model_spec(args.model)
+    torch.manual_seed(0)
+    with torch.device(device):
+        transformer = WanTransformer3DModel(**spec["transformer"])
+        vae = AutoencoderKLWan(**spec["vae"])
+    vae.requires_grad_(False)
+    transformer.requires_grad_(args.full)
+    if not args.full:
+        lora = LoraConfig(r=32, lora_alpha=64, init_lora_weights="gaussian", target_modules=LORA_TARGETS)
+        transformer = get_peft_model(transformer, lora)
+    transformer.enable_gradient_checkpointing()
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=args.shift)
+    pipe = WanPipeline(
+        tokenizer=None, text_encoder=None, transformer=transformer, vae=vae, scheduler=scheduler
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def sample(peer, pipe, embeds, neg, args) -> dict:
+    """One rollout of ``--samples`` videos: flow_grpo's sampler with log-probs, decoded."""
+    device = pipe.transformer.device
+    frames, height, width = args.shape
+    with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"), torch.no_grad():
+        videos, latents, log_probs, _ = peer["sample"](
+            pipe,
+            prompt_embeds=embeds,
+            negative_prompt_embeds=neg,
+            num_inference_steps=args.num_steps,
+            guidance_scale=args.guidance,
+            output_type="pt",
+            return_dict=False,
+            num_frames=frames,
+            height=height,
+            width=width,
+            max_sequence_length=args.text_tokens,
+        )
+    latents = torch.stack(latents, dim=1)
+    return {
+        "videos": videos,
+        "prompt_embeds": embeds,
+        "timesteps": pipe.scheduler.timesteps.repeat(len(embeds), 1),
+        "latents": latents[:, :-1],
+        "next_latents": latents[:, 1:],
+        "log_probs": torch.stack(log_probs, dim=1),
+    }
+
+
+def _train_args(args) -> argparse.Namespace:
+    """The fields ``peer_learning.train_rollout`` reads: all samples in one optimizer step."""
+    return argparse.Namespace(
+        num_steps=args.num_steps,
+        timestep_fraction=(args.train_steps + 0.5) / args.num_steps,  # floor() gives train_steps
+        batches_per_rollout=1,
+        micro_batch=args.micro_batch,
+        max_grad_norm=1.0,
+    )
+
+
+def _phase(device: torch.device, fn):
+    """``fn()``'s result, wall seconds and peak allocated GiB (CUDA; None on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    _sync(device)
+    t0 = time.perf_counter()
+    out = fn()
+    _sync(device)
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    return out, time.perf_counter() - t0, peak
+
+
+def peer_steps(args) -> dict:
+    """``--steps`` GRPO steps of flow_grpo (the first is the warm-up): per-phase seconds and peaks."""
+    from miles.rewards.jpeg import JpegIncompressibility
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    peer = load_peer(args.flow_grpo.resolve())
+    pipe = build_pipeline(args, device)
+    text_dim = pipe.transformer.config.text_dim
+    trainable = [p for p in pipe.transformer.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=1e-5, weight_decay=1e-4)
+    cfg = peer_config(args.guidance, argparse.Namespace(clip_range=1e-4))
+    reward = JpegIncompressibility()
+    gen = torch.Generator().manual_seed(1)
+    embeds = torch.randn(args.samples, args.text_tokens, text_dim, generator=gen).to(device)
+    neg = torch.randn(1, args.text_tokens, text_dim, generator=gen).to(device)  # one negative prompt
+    steps = []
+    for i in range(args.steps):
+        torch.manual_seed(100 + i)
+        pipe.transformer.eval()
+        samples, t_roll, p_roll = _phase(
+            device, lambda: sample(peer, pipe, embeds, neg.repeat(len(embeds), 1, 1), args)
+        )
+        videos = samples.pop("videos")
+        rewards, t_rew, _ = _phase(device, partial(reward, videos.float().cpu(), [""] * args.samples))
+        adv = ((rewards - rewards.mean()) / (rewards.std() + 1e-4)).to(device)
+        pipe.transformer.train()
+        train = partial(train_rollout, peer, pipe, samples, adv, neg, cfg, optimizer, _train_args(args))
+        _, t_train, p_train = _phase(device, train)
+        steps.append(
+            {
+                "rollout_s": t_roll,
+                "reward_s": t_rew,
+                "train_s": t_train,
+                "peak_gib": max(p_roll or 0, p_train or 0),
+            }
+        )
+        print(f"[peer-step] step {i}: {json.dumps(steps[-1])}", flush=True)
+    _, _, c, f, h, w = samples["latents"].shape  # (samples, steps, C, F', H', W')
+    patch = pipe.transformer.config.patch_size
+    tokens = f // patch[0] * (h // patch[1]) * (w // patch[2])
+    return {"steps": steps, "tokens": tokens, "trainable_params": sum(p.numel() for p in trainable)}
+
+
+def summarize(steps: list[dict], flops: dict) -> dict:
+    """Mean seconds per phase over the measured steps (all but the warm-up), TFLOP/s, peak."""
+    measured = steps[1:] if len(steps) > 1 else steps
+    mean = {k: sum(s[k] for s in measured) / len(measured) for k in ("rollout_s", "reward_s", "train_s")}
+    total = sum(mean.values())
+    peaks = [s["peak_gib"] for s in steps if s["peak_gib"]]
+    return {
+        **mean,
+        "step_s": total,
+        "rollout_tflops": flops["rollout"] / mean["rollout_s"] / 1e12,
+        "train_tflops": flops["train"] / mean["train_s"] / 1e12,
+        "step_tflops": (flops["rollout"] + flops["train"]) / total / 1e12,
+        "peak_gib": max(peaks) if peaks else None,
+    }
+
+
+def step_flops(args, tokens: int) -> dict:
+    """Model FLOPs of one step as ``bench/step_bench.py`` counts them (recompute not counted)."""
+    from bench.gpu_bench import model_flops
+    from bench.real_configs import model_spec
+
+    t = model_spec(args.model)["transformer"]
+    forward = model_flops(t, tokens, text_tokens=args.text_tokens)
+    cfg = 2 if args.guidance > 1 else 1
+    return {
+        "tokens": tokens,
+        "rollout": args.samples * args.num_steps * cfg * forward,
+        "train": args.samples * args.train_steps * cfg * 3 * forward,
+    }
+
+
+def ours(args, out: Path, shape: list[int], budget: float, extra_env: dict | None = None) -> dict | None:
+    """miles' step through ``bench/step_bench.py`` (its own process); its jpeg.json, or None."""
+    cmd = [sys.executable, str(ROOT / "bench" / "step_bench.py"), "--out", str(out), "--model", args.model]
+    cmd += ["--shape", *map(str, shape), "--num-steps", str(args.num_steps), "--samples", str(args.samples)]
+    cmd += ["--sde-window", str(args.train_steps), "--rollouts", str(args.steps), "--budget-gib", str(budget)]
+    cmd += ["--rewards", "jpeg"]
+    rc = subprocess.run(cmd, env={**os.environ, **(extra_env or {}), "PYTHONUNBUFFERED": "1"}).returncode
+    return json.loads((out / "jpeg.json").read_text()) if rc == 0 else None
+
+
+def fit(args, results: dict) -> None:
+    """The largest frame count of ``--fit`` each trainer completes a step at, per memory cap (False:
+    not even the first)."""
+    results["fit"] = {}
+    for cap in CAPS_GIB:
+        row = results["fit"][f"{cap:g}"] = {"flow_grpo": False, "miles": False}
+        failed: set[str] = set()
+        for frames in args.fit:  # ascending: a trainer that failed is not tried at more frames
+            shape, env = [frames, *args.shape[1:]], {"MILES_BENCH_MEMORY_CAP_GIB": f"{cap:g}"}
+            ok_peer = ok_ours = False
+            if "flow_grpo" not in failed:
+                cmd = [sys.executable, __file__, *sys.argv[1:], "--one-peer", *map(str, shape)]
+                ok_peer = subprocess.run(cmd, env={**os.environ, **env}).returncode == 0
+                row["flow_grpo"] = frames if ok_peer else row["flow_grpo"]
+                failed |= set() if ok_peer else {"flow_grpo"}
+            if "miles" not in failed:
+                r = ours(args, args.out / f"fit_{cap:g}_{frames}", shape, cap, env)
+                ok_ours = r is not None and (r["summary"]["peak_gib"] or 0) <= cap
+                row["miles"] = frames if ok_ours else row["miles"]
+                failed |= set() if ok_ours else {"miles"}
+            print(
+                f"[peer-step] fit {cap:g} GiB, {frames} frames: flow_grpo {ok_peer}, miles {ok_ours}",
+                flush=True,
+            )
+            (args.out / "peer_step.json").write_text(json.dumps(results, indent=1))
+
+
+def markdown(results: dict) -> str:
+    p, o = results["flow_grpo"], results.get("miles")
+    a = results["args"]
+    lines = [
+        f"{a['model']}, {a['shape'][0]}x{a['shape'][1]}x{a['shape'][2]} ({results['flops']['tokens']} tokens), "
+        f"{a['samples']} samples, {a['num_steps']} steps, {a['train_steps']} trained, CFG {a['guidance']:g}, "
+        f"on {results['device']}",
+        "",
+        "| trainer | rollout s (TFLOP/s) | decode + reward s | train s (TFLOP/s) | step s | peak GiB |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+        f"| flow_grpo | {p['rollout_s']:.2f} ({p['rollout_tflops']:.0f}) | {p['reward_s']:.2f} | "
+        f"{p['train_s']:.2f} ({p['train_tflops']:.0f}) | {p['step_s']:.2f} | {p['peak_gib'] or 0:.1f} |",
+    ]
+    if o:
+        ph = o["summary"]["phases"]
+        lines.append(
+            f"| miles | {ph['rollout']['wall_s']:.2f} ({ph['rollout']['tflops']:.0f}) | "
+            f"{ph['decode+reward']['wall_s']:.2f} | {ph['train']['wall_s']:.2f} ({ph['train']['tflops']:.0f}) | "
+            f"{o['summary']['step']['wall_s']:.2f} | {o['summary']['peak_gib'] or 0:.1f} |"
+        )
+        lines += [
+            "",
+            f"miles' step is {p['step_s'] / o['summary']['step']['wall_s']:.2f}x faster than flow_grpo's.",
+        ]
+    for cap, row in results.get("fit", {}).items():
+        lines.append(f"Largest frame count in {cap} GiB: flow_grpo {row['flow_grpo']}, miles {row['miles']}.")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument(
+        "--flow-grpo", type=Path, required=True, help="a flow_grpo checkout (scripts/train_wan2_1.py)"
+    )
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--model", default="wan2.1-t2v-1.3b", help="a bench/real_configs.py model, or tiny")
+    ap.add_argument("--shape", type=int, nargs=3, default=[81, 480, 832], metavar=("FRAMES", "H", "W"))
+    ap.add_argument("--num-steps", type=int, default=10)
+    ap.add_argument("--train-steps", type=int, default=2, help="trained SDE steps (miles' SDE window)")
+    ap.add_argument("--samples", type=int, default=2)
+    ap.add_argument("--micro-batch", type=int, default=1, help="flow_grpo's train batch size")
+    ap.add_argument("--guidance", type=float, default=5.0)
+    ap.add_argument("--shift", type=float, default=3.0)
+    ap.add_argument("--text-tokens", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=3, help="GRPO steps per trainer; the first is the warm-up")
+    ap.add_argument("--full", action="store_true", help="flow_grpo full fine-tune instead of LoRA")
+    ap.add_argument("--no-ours", action="store_true", help="flow_grpo's step alone")
+    ap.add_argument("--fit", type=int, nargs="*", default=[], help="frame counts to try per memory cap")
+    ap.add_argument("--one-peer", type=int, nargs=3, default=None, help=argparse.SUPPRESS)  # a --fit case
+    args = ap.parse_args()
+    if args.train_steps > args.num_steps:
+        raise SystemExit(f"--train-steps {args.train_steps} exceeds --num-steps {args.num_steps}")
+    if cap := os.environ.get("MILES_BENCH_MEMORY_CAP_GIB"):  # a --fit case (both trainers' processes)
+        if torch.cuda.is_available():
+            total = torch.cuda.get_device_properties(0).total_memory / 2**30
+            torch.cuda.set_per_process_memory_fraction(min(1.0, float(cap) / total))
+    if args.one_peer:
+        args.shape, args.steps = args.one_peer, 1
+        peer_steps(args)
+        return
+    args.out.mkdir(parents=True, exist_ok=True)
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    results = {
+        "args": {k: v for k, v in vars(args).items() if k not in ("flow_grpo", "out")},
+        "device": device,
+    }
+    peer = peer_steps(args)
+    results["flops"] = step_flops(args, peer["tokens"])
+    results["flow_grpo"] = {**summarize(peer["steps"], results["flops"]), **peer}
+    (args.out / "peer_step.json").write_text(json.dumps(results, indent=1))
+    if not args.no_ours:
+        results["miles"] = ours(args, args.out / "miles", args.shape, 100.0)
+        (args.out / "peer_step.json").write_text(json.dumps(results, indent=1))
+    if args.fit:
+        fit(args, results)
+    (args.out / "peer_step.md").write_text(markdown(results))
+    print(markdown(results))
+
+
+if __name__ == "__main__":
+    main()
