@@ -63,7 +63,7 @@ world-i2v-model: setup
 # the committed copy is miles/world/pipeline.
 WORLD_DIR ?= .cache/world-wan
 world-model: setup
-	$(PY) -m miles.world.pretrain $(WORLD_DIR)
+	$(PY) -m miles.pretrain_world $(WORLD_DIR)
 
 # The same recipe shape on one GPU.
 e2e-gpu: tiny-model

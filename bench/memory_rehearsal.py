@@ -176,7 +176,7 @@ def _install_probes(probes) -> None:
 
     Trainer = trainer_mod.Trainer
     probes.wrap(trainer_mod, "load_wan", "load", missing_ok=True)
-    probes.wrap(Trainer, "_parallelize", "shard")
+    probes.wrap(trainer_mod, "parallelize", "shard")
     probes.wrap(Trainer, "rollout", "rollout")
     probes.wrap(Trainer, "score", "decode+reward")
     probes.wrap(Trainer, "train_on", "train")

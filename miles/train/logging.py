@@ -166,3 +166,22 @@ class MetricsLogger:
 
 def is_finite(x: float) -> bool:
     return math.isfinite(x)
+
+
+def rollout_line(rollout_index: int, step: int, rewards: torch.Tensor, first: dict, step_s: float) -> str:
+    """The console line of one rollout: its reward statistics and its first optimizer step's loss,
+    canaries and grad norm (``bench/e2e_bands.py`` and the e2e tests read it)."""
+    shown = [k for k in ("clipfrac", "old_deviation", "log_prob_mean_abs_diff", "tis_logp_gap") if k in first]
+    return (
+        f"[rollout {rollout_index}] step {step} reward mean={float(rewards.mean()):.4f} "
+        f"std={float(rewards.std()):.4f} min={float(rewards.min()):.4f} max={float(rewards.max()):.4f} "
+        f"loss={first['loss']:.3e} "
+        + "".join(f"{k}={first[k]:.3e} " for k in shown)
+        + f"grad_norm={first['grad_norm']:.3e} step_time={step_s:.2f}s"
+    )
+
+
+def eval_line(step: int, metrics: dict, samples: int) -> str:
+    """The console line of one held-out evaluation: every reward's mean."""
+    means = " ".join(f"{k[5:-5]}={v:.4f}" for k, v in metrics.items() if k.endswith("/mean"))
+    return f"[eval] step {step}: {means} ({samples} samples, {metrics['time/eval_s']:.1f}s)"

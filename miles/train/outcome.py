@@ -14,6 +14,7 @@ asked for) that there is nothing to do, instead of evaluating again and appendin
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 
 from miles.train.checkpoint import latest_checkpoint
@@ -66,4 +67,25 @@ def finished_note(
         + (", exported" if export else "")
         + "): nothing to do. To train longer, relaunch with a larger --train.num-rollouts; to start "
         "afresh, use a new --run.name (or --train.no-resume --train.overwrite)"
+    )
+
+
+# Flags of a fresh start, dropped from the resume command printed after a stop or a failure.
+_FRESH_START_FLAGS = ("--train.no-resume", "--train.overwrite")
+
+
+def resume_command(argv: list[str]) -> str:
+    """The command that resumes the launch of ``argv`` (its flags, less those of a fresh start)."""
+    return "train_grpo.py " + " ".join(shlex.quote(a) for a in argv if a not in _FRESH_START_FLAGS)
+
+
+def stopped_line(
+    run_dir: Path, signal: str, step: int, rollouts: int, num_rollouts: int, argv: list[str]
+) -> str:
+    """What a stop request (``signal``) leaves: the latest checkpoint and the command that resumes."""
+    path = latest_checkpoint(run_dir)
+    return (
+        f"[miles] stopped by {signal} after step {step} ({rollouts} of {num_rollouts} rollouts done); "
+        f"the checkpoint is {path or 'none (nothing trained yet)'}. To resume, relaunch the same "
+        f"command: {resume_command(argv)}"
     )

@@ -13,7 +13,6 @@ entry point prints it and exits 1.
 
 from __future__ import annotations
 
-import shlex
 import sys
 from pathlib import Path
 
@@ -21,9 +20,7 @@ import torch
 import torch.distributed as dist
 
 from miles.rewards.remote import RemoteRewardError
-
-# Flags of a fresh start, dropped from the resume command.
-_FRESH_START_FLAGS = ("--train.no-resume", "--train.overwrite")
+from miles.train.outcome import resume_command
 
 
 class RewardFailed(RuntimeError):
@@ -66,7 +63,6 @@ class GuardedRewards:
 
 def reward_failed(error: str, step: int, checkpoint: Path | None) -> RewardFailed:
     """The error to raise: what failed, what was kept, and the command that resumes."""
-    again = " ".join(shlex.quote(a) for a in sys.argv[1:] if a not in _FRESH_START_FLAGS)
     kept = (
         f"the last finished step {step} is saved in {checkpoint}"
         if checkpoint is not None
@@ -75,5 +71,5 @@ def reward_failed(error: str, step: int, checkpoint: Path | None) -> RewardFaile
     return RewardFailed(
         f"the reward could not be scored ({error}); {kept}. Start the reward server again (or raise "
         f"reward.remote_retries / reward.remote_backoff_s to wait longer), then resume with the same "
-        f"command: train_grpo.py {again}"
+        f"command: {resume_command(sys.argv[1:])}"
     )

@@ -1,12 +1,10 @@
-"""The GRPO trainer: rollout → reward → advantage → clipped-ratio update, on a dp x sp mesh.
+"""The trainer: run plan → model → parallelize → optimizer, then per iteration collect → score →
+the algorithm's optimizer steps → log, with checkpoints, resume and held-out evaluation.
 
-One rollout batch per iteration: every dp rank samples ``prompts_per_rank`` prompt groups
-of ``group_size`` samples (its sp peers sample the very same ones, with the same noise),
-decodes and scores them (the sp peers split that work by micro-batch), normalises rewards
-within each prompt group, then takes
-``steps_per_rollout`` optimizer steps over the batch. Each optimizer step recomputes the
-log-probability of every stored SDE step with the current policy and accumulates the
-gradient of the clipped-ratio loss over those steps (Flow-GRPO).
+The batch's route (docs/ARCHITECTURE.md): the collector (``miles.train.collect``, or the algorithm's
+own batch source, ``miles.train.sources``) samples every dp rank's prompt groups, its sp peers
+sampling the same ones with the same noise; ``score`` (``miles.train.score``) decodes, rewards and
+forms advantages; the algorithm (``miles.algorithms``) turns the batch into optimizer steps.
 """
 
 from __future__ import annotations
@@ -15,7 +13,6 @@ import contextlib
 import dataclasses
 import math
 import os
-import shlex
 import signal
 import sys
 import time
@@ -33,10 +30,7 @@ from miles.config import Config
 from miles.data.prompts import GroupSampler
 from miles.eval import evaluate, summarize, write_eval
 from miles.eval.evaluate import eval_settings, grid_caption
-from miles.models.wan import (
-    WanModel,
-    load_wan,
-)
+from miles.models.wan import WanModel, load_wan
 from miles.parallel.fsdp import unsharded_for_rollout
 from miles.parallel.topology import build_parallel_mesh
 from miles.parallel.topology_checks import local_world_size_from_env
@@ -50,7 +44,6 @@ from miles.train.checkpoint import (
     has_ema,
     has_state,
     last_good_checkpoint,
-    latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
     weights_digest,
@@ -58,9 +51,17 @@ from miles.train.checkpoint import (
 from miles.train.collect import Collector, guidance_scales, run_generator
 from miles.train.ema import EMA
 from miles.train.export import export_pipeline
-from miles.train.logging import MetricsLogger, configure_library_progress, print0, show_progress
+from miles.train.logging import (
+    MetricsLogger,
+    configure_library_progress,
+    eval_line,
+    print0,
+    rollout_line,
+    show_progress,
+)
 from miles.train.memory_budget import ResidentMemory, model_sizes, rollout_shape
 from miles.train.old_policy import OldPolicy
+from miles.train.outcome import stopped_line
 from miles.train.parallelize import compute_dtype, parallelize
 from miles.train.plan import plan_run
 from miles.train.prompt_checks import warn_truncated_prompts
@@ -78,10 +79,6 @@ def _maybe_inject_fault(rank: int, step: int) -> None:
     spec = os.environ.get("MILES_FAULT_KILL")
     if spec and spec == f"{rank}:{step}":
         os.kill(os.getpid(), signal.SIGKILL)
-
-
-# Flags of a fresh start, dropped from the resume command printed after a stop.
-_FRESH_START_FLAGS = ("--train.no-resume", "--train.overwrite")
 
 
 class Trainer:
@@ -505,13 +502,8 @@ class Trainer:
         yet) and how to resume."""
         if self._saved_step != self.step and self.step > 0:
             self.save()
-        path = latest_checkpoint(self.run_dir)
-        again = " ".join(shlex.quote(a) for a in sys.argv[1:] if a not in _FRESH_START_FLAGS)
-        print0(
-            f"[miles] stopped by {self.stop.name} after step {self.step} ({self.rollout_index} of "
-            f"{self.cfg.train.num_rollouts} rollouts done); the checkpoint is {path or 'none (nothing trained yet)'}. To resume, "
-            f"relaunch the same command: train_grpo.py {again}"
-        )
+        n = self.cfg.train.num_rollouts
+        print0(stopped_line(self.run_dir, self.stop.name, self.step, self.rollout_index, n, sys.argv[1:]))
 
     def _averaged(self):
         """The EMA weights in place of the trained ones (``train.ema_decay``), else nothing."""
@@ -563,11 +555,7 @@ class Trainer:
             caption = grid_caption(result, f"held-out, step {self.step}") if grid else ""
         self.logger.log_eval(metrics, step=self.step, grid=grid, caption=caption)
         self._eval_step = self.step
-        print0(
-            f"[eval] step {self.step}: "
-            + " ".join(f"{k[5:-5]}={v:.4f}" for k, v in metrics.items() if k.endswith("/mean"))
-            + f" ({len(result['prompts'])} samples, {metrics['time/eval_s']:.1f}s)"
-        )
+        print0(eval_line(self.step, metrics, len(result["prompts"])))
 
     def _log(
         self,
@@ -599,17 +587,7 @@ class Trainer:
             step = self.step - len(step_stats) + i + 1
             row_metrics = {f"train/{k}": v for k, v in row.items()}
             self.logger.log({**metrics, **row_metrics} if i == 0 else row_metrics, step=step)
-        first = step_stats[0]
-        shown = [
-            k for k in ("clipfrac", "old_deviation", "log_prob_mean_abs_diff", "tis_logp_gap") if k in first
-        ]
-        print0(
-            f"[rollout {self.rollout_index}] step {self.step} reward mean={float(rewards.mean()):.4f} "
-            f"std={float(rewards.std()):.4f} min={float(rewards.min()):.4f} max={float(rewards.max()):.4f} "
-            f"loss={first['loss']:.3e} "
-            + "".join(f"{k}={first[k]:.3e} " for k in shown)
-            + f"grad_norm={first['grad_norm']:.3e} step_time={t_train / len(step_stats):.2f}s"
-        )
+        print0(rollout_line(self.rollout_index, self.step, rewards, step_stats[0], t_train / len(step_stats)))
         if self._logs_videos(self.rollout_index) and scores.videos is not None:
             # rank 0's decoded samples: with sp > 1, every sp-th micro-batch of its dp rank
             self.logger.log_videos(scores.videos, scores.video_prompts, scores.video_rewards, step=self.step)

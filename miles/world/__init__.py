@@ -2,7 +2,7 @@
 
 ``miles.world.world`` renders the videos and holds the vocabulary and the train/held-out
 split; ``miles.rewards.world`` scores decoded videos against prompts (``world_adherence``);
-``python -m miles.world.pretrain OUT_DIR`` trains the tiny VAE and Wan prior on this world
+``python -m miles.pretrain_world OUT_DIR`` trains the tiny VAE and Wan prior on this world
 (the committed result is ``miles/world/pipeline``).
 """
 

@@ -1,6 +1,6 @@
 """Pretrain the tiny world's Wan pipeline: a tiny VAE, then a tiny Wan prior, from fixed seeds.
 
-    python -m miles.world.pretrain miles/world/pipeline   # ~41 CPU-min: ~20 min on 2 free cores
+    python -m miles.pretrain_world miles/world/pipeline   # ~41 CPU-min: ~20 min on 2 free cores
 
 1. **VAE.** A tiny ``AutoencoderKLWan`` (2.5M parameters) learns to reconstruct the world's
    training videos from random 32x32 crops around the ball: 5-frame clips first, then 9-frame
@@ -452,7 +452,7 @@ def pretrain(out_dir: Path, cfg: PretrainConfig = PretrainConfig()) -> dict:
 
 def main(argv: list[str]) -> None:
     if len(argv) != 1 or argv[0].startswith("-"):
-        raise SystemExit("usage: python -m miles.world.pretrain OUT_DIR   (e.g. miles/world/pipeline)")
+        raise SystemExit("usage: python -m miles.pretrain_world OUT_DIR   (e.g. miles/world/pipeline)")
     out_dir = Path(argv[0])
     report = pretrain(out_dir)
     path = out_dir.parent / "pretrain_report.json"
