@@ -128,31 +128,16 @@ def run_distributed(fn, world_size: int, *args, **kwargs) -> None:
             raise AssertionError(f"a rank died: {e}") from e
 
 
-def destroy_subgroups() -> None:
-    """Destroy every process group but the default one. Each gloo group keeps I/O threads polling
-    for the life of its process: a session's bodies and runs on kept ranks (a mesh's groups per
-    Trainer) left hundreds of them, ~20% of a core per idle rank on the 2-core machine."""
-    from torch.distributed import distributed_c10d as c10d
-
-    if not dist.is_initialized():
-        return
-    dist.barrier()  # every rank is done with them (called on every rank, after its body or run)
-    for group in list(c10d._world.pg_map):
-        if group is not c10d.GroupMember.WORLD:
-            dist.destroy_process_group(group)
-
-
 class KeepGroup:
     """``torch.distributed`` for ``train_grpo.main`` (as ``train_grpo.dist``) when its process group
-    must outlive it: ``destroy_process_group`` destroys the run's subgroups and keeps the default
-    group (tests/e2e/multi_run.py, pooled ranks)."""
+    must outlive it: ``destroy_process_group`` does nothing (tests/e2e/multi_run.py, pooled ranks)."""
 
     def __getattr__(self, name):
         return getattr(dist, name)
 
     @staticmethod
     def destroy_process_group(*args, **kwargs) -> None:
-        destroy_subgroups()
+        pass
 
 
 # --- ranks kept for the session -------------------------------------------------------------------
@@ -180,7 +165,6 @@ def _reset_process_state(deterministic: bool, inductor_deterministic, dtype: tor
     torch.set_default_dtype(dtype)
     torch.set_grad_enabled(True)
     torch._dynamo.reset()
-    destroy_subgroups()
 
 
 def _pool_worker(rank, world_size, port, tasks, results):
