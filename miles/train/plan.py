@@ -248,7 +248,7 @@ def _check_image_rewards(cfg: Config, image_to_video: bool) -> None:
         )
 
 
-def _every_ranks(errors: list[str]) -> list[str]:
+def _errors_of_every_rank(errors: list[str]) -> list[str]:
     """Under torch.distributed: the errors of every rank, each once, in rank order, so that all ranks
     refuse together (some checks answer on rank 0 alone: the run directory's lock). The gather is
     also the point no rank passes before every rank has checked (rank 0 takes the lock after it)."""
@@ -298,7 +298,7 @@ def _check_inputs(
         lambda: _check_rewards(cfg),
         lambda: _check_image_rewards(cfg, image_to_video),
     )
-    errors = _every_ranks(errors) if all_ranks else errors
+    errors = _errors_of_every_rank(errors) if all_ranks else errors
     if errors:
         raise PlanError(join_errors(errors))
     summary = f"{len(prompts)} prompts from {prompt_file}" + (

@@ -14,9 +14,9 @@ one wandb run and delete each other's checkpoints. Rank 0 takes an exclusive ``f
 ``<run_dir>/.launch.lock`` (:class:`RunDirLock`) after every check has passed and before anything is
 written, and holds it for the life of the process; the kernel drops it when the process ends (also by
 SIGKILL), so a dead launch's lock is never stale. The file names the holder (pid, host, start time,
-command) for the refusal of a second launch. :func:`check_run_dir` also probes the lock (rank 0; the plan
-shares its answer with every rank), so a second
-launch is refused at once, before it loads a model.
+command) for the refusal of a second launch. :func:`check_run_dir` also probes the lock (rank 0; the
+plan shares its answer with every rank), so a second launch is refused at once, before it loads a
+model.
 """
 
 from __future__ import annotations
