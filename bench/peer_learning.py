@@ -88,6 +88,20 @@ def peer_config(guidance: float, args) -> argparse.Namespace:
     )
 
 
+def rollout_record(pipe, videos, embeds, latents: list, log_probs: list) -> dict:
+    """What flow_grpo's training loop keeps of a rollout: the per-step latents and log-probs stacked
+    along dim 1, each step's input and output apart."""
+    latents = torch.stack(latents, dim=1)
+    return {
+        "videos": videos,
+        "prompt_embeds": embeds,
+        "timesteps": pipe.scheduler.timesteps.repeat(len(embeds), 1),
+        "latents": latents[:, :-1],
+        "next_latents": latents[:, 1:],
+        "log_probs": torch.stack(log_probs, dim=1),
+    }
+
+
 def rollout(peer, pipe, prompts, neg, guidance, args, generator_seed: int) -> dict:
     """One rollout: flow_grpo's sampler with log-probs on the rollout's prompts (as its loop calls it)."""
     device = pipe.transformer.device
@@ -109,15 +123,7 @@ def rollout(peer, pipe, prompts, neg, guidance, args, generator_seed: int) -> di
             height=args.size,
             width=args.size,
         )
-    latents = torch.stack(latents, dim=1)
-    return {
-        "videos": videos,
-        "prompt_embeds": embeds,
-        "timesteps": pipe.scheduler.timesteps.repeat(len(prompts), 1),
-        "latents": latents[:, :-1],
-        "next_latents": latents[:, 1:],
-        "log_probs": torch.stack(log_probs, dim=1),
-    }
+    return rollout_record(pipe, videos, embeds, latents, log_probs)
 
 
 def train_rollout(peer, pipe, samples, advantages, neg, cfg, optimizer, args) -> list[dict]:

@@ -43,7 +43,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.peer_learning import load_peer, peer_config, train_rollout  # noqa: E402
+from bench.peer_learning import load_peer, peer_config, rollout_record, train_rollout  # noqa: E402
 
 LORA_TARGETS = ["add_k_proj", "add_q_proj", "add_v_proj", "to_add_out", "to_k", "to_out.0", "to_q", "to_v"]
 CAPS_GIB = (80.0, 141.0)
@@ -104,15 +104,7 @@ def sample(peer, pipe, embeds, neg, args) -> dict:
             width=width,
             max_sequence_length=args.text_tokens,
         )
-    latents = torch.stack(latents, dim=1)
-    return {
-        "videos": videos,
-        "prompt_embeds": embeds,
-        "timesteps": pipe.scheduler.timesteps.repeat(len(embeds), 1),
-        "latents": latents[:, :-1],
-        "next_latents": latents[:, 1:],
-        "log_probs": torch.stack(log_probs, dim=1),
-    }
+    return rollout_record(pipe, videos, embeds, latents, log_probs)
 
 
 def _train_args(args) -> argparse.Namespace:
