@@ -53,18 +53,35 @@ def build_tiny_models(root: str | Path, force: bool = False) -> Path:
     root = Path(root)
     for variant in ALL_VARIANTS:
         dest = root / variant
-        if dest.is_dir() and (dest / "model_index.json").is_file() and not force:
+        if _complete(dest) and not force:
             continue
         root.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{variant}-"))
         try:
             build_pipeline(variant).save_pretrained(tmp, safe_serialization=True)
-            if dest.exists():
-                shutil.rmtree(dest)
-            os.replace(tmp, dest)
+            _publish(tmp, dest, force)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return root
+
+
+def _complete(folder: Path) -> bool:
+    return folder.is_dir() and (folder / "model_index.json").is_file()
+
+
+def _publish(tmp: Path, dest: Path, force: bool) -> None:
+    """Move a built variant into place. Several processes may build at once (runs launched side by
+    side on a fresh cache): a complete folder another one published meanwhile is kept as it is —
+    never removed under a reader — unless ``force`` asks to rebuild it."""
+    if _complete(dest) and not force:
+        return
+    if dest.exists():
+        shutil.rmtree(dest)
+    try:
+        os.replace(tmp, dest)
+    except OSError:  # another process published between the check and the move
+        if not _complete(dest):
+            raise
 
 
 def tiny_model_path(root: str | Path, variant: str) -> Path:

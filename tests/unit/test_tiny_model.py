@@ -85,3 +85,28 @@ def test_random_text_encoder_is_the_seeded_draw(tmp_path):
     fill_random(fine, source, torch.device("cpu"), chunk_numel=1000)
     for (name, p), q in zip(a.named_parameters(), fine.parameters()):
         assert torch.equal(p, q), f"{name} depends on the chunk size"
+
+
+def test_concurrent_builder_keeps_a_published_folder(tmp_path, monkeypatch):
+    """Runs launched side by side on a fresh cache each build the tiny models: a variant another
+    process published while this one was building stays in place (it was deleted under its readers,
+    and a band launch failed reading a half-removed folder), and this build's copy is discarded."""
+
+    class Fake:
+        def __init__(self, variant):
+            self.variant = variant
+
+        def save_pretrained(self, folder, safe_serialization=True):
+            other = tmp_path / self.variant  # another process publishes meanwhile
+            other.mkdir(exist_ok=True)
+            (other / "model_index.json").write_text("{}")
+            (other / "theirs").write_text("kept")
+            (folder / "model_index.json").write_text("{}")
+
+    monkeypatch.setattr(tiny, "build_pipeline", Fake)
+    tiny.build_tiny_models(tmp_path)
+    for variant in tiny.ALL_VARIANTS:
+        assert (tmp_path / variant / "theirs").read_text() == "kept"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(tiny.ALL_VARIANTS)  # no temp folder left
+    tiny.build_tiny_models(tmp_path, force=True)  # force rebuilds: this process's copy replaces theirs
+    assert not (tmp_path / tiny.ALL_VARIANTS[0] / "theirs").exists()
