@@ -33,6 +33,7 @@ __all__ = [
     "PRECISIONS",
     "check_rollout_precision",
     "fp8_linear",
+    "fp8_or_keep",
     "quantizable_linears",
     "rollout_precision",
     "swapped_linears",
@@ -95,10 +96,14 @@ def check_rollout_precision(
 
 def quantizable_linears(module: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
     """``(parent, name, linear)`` of every Linear inside ``module.blocks`` that FP8 takes: not a
-    LoRA adapter, in and out features multiples of 16."""
+    LoRA adapter, in and out features multiples of 16. The adapters must stay bf16: peft zero-
+    initialises ``lora_B``, and a float8 row scale of a zero row is 0, so its quantized weight is
+    0/0 = NaN (torchao computes the scale as amax / 448 with no floor)."""
     found = []
     for block in module.blocks:
-        for parent in block.modules():
+        for path, parent in block.named_modules():
+            if any(part.startswith("lora_") for part in path.split(".")):
+                continue  # peft keeps its adapters in ModuleDicts: lora_A.default is a Linear too
             for name, child in parent.named_children():
                 if (
                     type(child) is nn.Linear
@@ -145,6 +150,14 @@ def fp8_linear(linear: nn.Linear, fast_accum: bool = True) -> nn.Module:
     return copy
 
 
+def fp8_or_keep(linear: nn.Linear, fast_accum: bool = True) -> nn.Module:
+    """:func:`fp8_linear`, or ``linear`` itself (bf16) when a row of its weight is all zeros: that
+    row's float8 scale would be 0 and its quantized weight NaN (a pruned or zero-initialised row)."""
+    if bool((linear.weight.detach().abs().amax(dim=1) == 0).any()):
+        return linear
+    return fp8_linear(linear, fast_accum=fast_accum)
+
+
 @contextlib.contextmanager
 def rollout_precision(
     modules: Sequence[nn.Module], precision: str, *, fast_accum: bool = True
@@ -157,5 +170,5 @@ def rollout_precision(
         return
     if precision != "fp8":
         raise ValueError(f"rollout.precision must be one of {PRECISIONS}, got {precision!r}")
-    with torch.no_grad(), swapped_linears(modules, functools.partial(fp8_linear, fast_accum=fast_accum)):
+    with torch.no_grad(), swapped_linears(modules, functools.partial(fp8_or_keep, fast_accum=fast_accum)):
         yield

@@ -334,3 +334,36 @@ def test_dry_run_reports_fp8_where_it_cannot_check_the_gpu(monkeypatch):
     bf16_plan = plan_run(parse_args(args[:2] + args[4:])[0], 1, device_type="cuda")
     extra = plan.resident.gathered_rollout - bf16_plan.resident.gathered_rollout
     assert extra == max(plan.sizes.expert_params)
+
+
+def test_lora_adapters_are_never_quantized():
+    """peft keeps each adapter as a Linear under a ModuleDict (``to_q.lora_A.default``): those stay
+    bf16 (a zero-initialised ``lora_B`` quantizes to NaN), the wrapped base layers are taken. On
+    the H200 a LoRA run with fp8 rollouts stopped with a NaN loss when the adapters were quantized."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    model = _tiny_transformer()
+    n_plain = len(quantizable_linears(model))
+    config = LoraConfig(
+        r=16, lora_alpha=16, target_modules=["to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj"]
+    )
+    model = inject_adapter_in_model(config, model)
+    assert any(".lora_B.default" in name for name, _ in model.named_modules())  # the adapters exist
+    taken = quantizable_linears(model)
+    assert len(taken) == n_plain  # every base layer, no adapter
+    adapters = {id(m) for name, m in model.named_modules() if ".lora_" in name}
+    assert not any(id(lin) in adapters for _, _, lin in taken)
+
+
+def test_a_linear_with_a_zero_row_stays_bf16(monkeypatch):
+    """fp8_or_keep: a weight with an all-zero row is not quantized (its row scale would be 0 and the
+    float8 weight 0/0 = NaN); every other Linear goes to fp8_linear."""
+    from miles.rollout import precision
+
+    converted = []
+    monkeypatch.setattr(precision, "fp8_linear", lambda lin, fast_accum=True: converted.append(lin) or "fp8")
+    lin = nn.Linear(32, 16)
+    assert precision.fp8_or_keep(lin) == "fp8" and converted == [lin]
+    with torch.no_grad():
+        lin.weight[3].zero_()
+    assert precision.fp8_or_keep(lin) is lin and converted == [lin]
