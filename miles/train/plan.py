@@ -67,11 +67,35 @@ class PlanMemoryError(PlanError, MemoryBudgetError):
     """The per-rank memory budget cannot hold the run (as the plan estimates it)."""
 
 
-def default_attention_backend(device: torch.device) -> str | None:
-    """cudnn SDPA on CUDA (1.8x faster than flash for Wan shapes on H100/H200), else diffusers' default."""
-    if device.type == "cuda":
+# diffusers attention backends with no fp32 kernel (cudnn SDPA, flash attention, SageAttention)
+HALF_ONLY_BACKENDS = frozenset(
+    {
+        "_native_cudnn",
+        "_native_flash",
+        "flash",
+        "flash_varlen",
+        "_flash_3",
+        "_flash_varlen_3",
+        "sage",
+        "sage_varlen",
+    }
+)
+
+
+def default_attention_backend(device: torch.device, dtype: str = "bfloat16") -> str | None:
+    """cudnn SDPA on CUDA for bf16/fp16 compute (1.8x faster than flash for Wan shapes on H100/H200);
+    else (CPU, or ``model.dtype float32``, which cudnn has no kernel for) diffusers' default."""
+    if device.type == "cuda" and dtype in ("bfloat16", "float16"):
         return "_native_cudnn"
     return None
+
+
+def _check_backend_dtype(backend: str | None, dtype: str, device_type: str) -> None:
+    if device_type == "cuda" and dtype == "float32" and backend in HALF_ONLY_BACKENDS:
+        raise PlanError(
+            f"--fsdp-attention-backend {backend} has no float32 kernel (model.dtype float32): set "
+            "model.dtype bfloat16, or leave --fsdp-attention-backend unset (float32: diffusers' native SDPA)"
+        )
 
 
 @dataclass(kw_only=True)
@@ -442,7 +466,10 @@ def _sp_plan_report(cfg: Config, dims: ParallelDims, model, device_type: str) ->
     from miles.sequence_parallel.ring import select_ring_kernel
 
     p = cfg.parallel
-    backend = p.fsdp_attention_backend or default_attention_backend(torch.device(device_type))
+    backend = p.fsdp_attention_backend or default_attention_backend(
+        torch.device(device_type), cfg.model.dtype
+    )
+    _check_backend_dtype(backend, cfg.model.dtype, device_type)
     backend_note = "--fsdp-attention-backend" if p.fsdp_attention_backend else f"default on {device_type}"
     try:
         validate_sp_args(dims, backend, model_backend=model)

@@ -489,3 +489,24 @@ def test_the_trainer_runs_the_plan_the_dry_run_prints(tmp_path):
     assert any("the real run will refuse this folder" in w for w in report["warnings"])
     with pytest.raises(PlanError, match="lacks the 'text_encoder' folder"):
         plan_run(cfg, 4, device_type="cpu", strict=True)
+
+
+def test_attention_backend_follows_the_compute_dtype():
+    """On CUDA the default backend is cudnn SDPA for bf16 and diffusers' native SDPA for fp32 (cudnn
+    has no fp32 kernel: the world recipe in fp32 on the H200 failed inside torch.compile with "No
+    available kernel"); an explicit half-only backend with fp32 is refused at plan time, naming the fix."""
+    from miles.train.plan import PlanError, plan_run
+
+    base = ["--config", "configs/world_cpu.yaml"]
+    fp32 = plan_run(parse_args([*base, "--model.dtype", "float32"])[0], 1, device_type="cuda")
+    bf16 = plan_run(parse_args([*base, "--model.dtype", "bfloat16"])[0], 1, device_type="cuda")
+    cpu = plan_run(parse_args([*base, "--model.dtype", "bfloat16"])[0], 1, device_type="cpu")
+    assert (fp32.attention_backend, bf16.attention_backend, cpu.attention_backend) == (
+        None,
+        "_native_cudnn",
+        None,
+    )
+    cfg = parse_args([*base, "--model.dtype", "float32", "--fsdp-attention-backend", "_native_cudnn"])[0]
+    with pytest.raises(PlanError, match="no float32 kernel.*model.dtype bfloat16"):
+        plan_run(cfg, 1, device_type="cuda")
+    assert plan_run(cfg, 1, device_type="cpu").attention_backend == "_native_cudnn"  # the check is CUDA's
