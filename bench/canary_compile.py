@@ -16,7 +16,7 @@ two graphs round differently; in bf16 the pass keeps ``addmm`` whole. Each varia
 - ``fp32-no-patterns``: the same with ``torch._inductor.config.pattern_matcher = False`` (no post-grad
   pattern rewrites at all): expected 0 if the unfused bias add is the cause.
 - ``bf16``: ``--model.dtype bfloat16``: expected 0 by that explanation; measured 1.5e-6 to 3.4e-6 on the
-  H200 (BENCHMARKS.md), so the explanation is incomplete.
+  H200 in one call and 0 in the next (BENCHMARKS.md): the bf16 gap varies from run to run.
 - ``bf16-ckpt-full``: bf16 with ``--model.activation-checkpointing full`` (training's graph then saves
   only block inputs, as the 1.3B recipe's mostly does, whose canary is 0): expected 0 if the kernels
   cut differently around saved tensors are the cause.
