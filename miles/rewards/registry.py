@@ -145,12 +145,16 @@ def check_options(options: Mapping[str, Any] | None, common: Mapping[str, Any]) 
     return {name: resolve_options(name, given) for name, given in (options or {}).items()}
 
 
+def _option_values(name: str, options: Mapping[str, Any]) -> dict[str, Any]:
+    """Reward ``name``'s options (``options[name]``, else its defaults) as ``{field: value}``."""
+    chosen = options[name] if name in options else resolve_options(name)
+    return {f: getattr(chosen, f) for f in option_names(_REGISTRY[name].options)}
+
+
 def _arguments(name: str, options: Mapping[str, Any], common: Mapping[str, Any]) -> dict[str, Any]:
     """The keyword arguments reward ``name`` is built with: its options' fields, then its common ones."""
-    entry = _REGISTRY[name]
-    chosen = options[name] if name in options else resolve_options(name)
-    kwargs = {f: getattr(chosen, f) for f in option_names(entry.options)}
-    kwargs.update({k: common[k] for k in entry.common if k in common})
+    kwargs = _option_values(name, options)
+    kwargs.update({k: common[k] for k in _REGISTRY[name].common if k in common})
     return kwargs
 
 
@@ -249,5 +253,4 @@ def check_resources(
     for name in names:
         check = getattr(_known(name).factory, "check_resources", None)
         if check is not None:
-            chosen = resolved[name] if name in resolved else resolve_options(name)
-            check(**{f: getattr(chosen, f) for f in option_names(_REGISTRY[name].options)})
+            check(**_option_values(name, resolved))
