@@ -103,6 +103,7 @@ def build_config(
     and step hold AdamW's moments, which the first step allocates after its peak), checkpoint and
     export; no eval, no videos, no wandb; the jpeg reward (no reward weights to load)."""
     from miles.config import parse_args
+    from miles.rewards.pickscore import PickScoreOptions
 
     cfg, _ = parse_args(["--config", str(ROOT / case.recipe)])
     fields = {
@@ -126,8 +127,7 @@ def build_config(
         "run.log_video_every": 0,
         "run.progress": False,
         "reward.weights": {"jpeg_incompressibility": 1.0},
-        "reward.pickscore_path": None,
-        "reward.pickscore_processor_path": None,
+        "reward.pickscore": PickScoreOptions(),  # the recipe's PickScore folders: not read
         **case.fields,
     }
     if num_steps is not None:

@@ -67,13 +67,13 @@ def build(name: str, tmp: Path):
     clip = str(tmp / "clip")
     head = tmp / "head.pth"
     options = {
-        "clipscore": dict(clipscore_path=clip),
-        "pickscore": dict(pickscore_path=clip),
-        "hpsv2": dict(hps_path=tmp / "hps.pt", hps_processor_path=clip),
-        "aesthetic": dict(aesthetic_clip_path=clip, aesthetic_head_path=head),
-        "videoalign": dict(videoalign_path=tmp / "videoalign"),
-    }.get(name, {})
-    reward = build_rewards({name: 1.0}, **options).rewards[name]
+        "clipscore": dict(model_path=clip),
+        "pickscore": dict(model_path=clip),
+        "hpsv2": dict(model_path=tmp / "hps.pt", processor_path=clip),
+        "aesthetic": dict(clip_path=clip, head_path=head),
+        "videoalign": dict(model_path=tmp / "videoalign"),
+    }
+    reward = build_rewards({name: 1.0}, {name: options[name]} if name in options else None).rewards[name]
     if name in REWARD_ARCH:
         model, image_processor = real_size_clip(REWARD_ARCH[name])
         reward.model, reward.processor.image_processor = model, image_processor

@@ -167,15 +167,15 @@ def run_load(
     from miles.rewards import build_rewards
 
     options = {
-        "remote_retries": 3,
-        "remote_backoff_s": 0.2,
-        "remote_timeout_s": 120.0,
+        "url": url,
+        "rewards": MIX,
+        "token": token,
+        "retries": 3,
+        "backoff_s": 0.2,
+        "timeout_s": 120.0,
         **(remote_options or {}),
     }
-    rewards = [
-        build_rewards({"remote": 1.0}, remote_url=url, remote_rewards=MIX, remote_token=token, **options)
-        for _ in range(clients)
-    ]
+    rewards = [build_rewards({"remote": 1.0}, {"remote": options}) for _ in range(clients)]
     inputs = {
         (c, k): world_videos(batch, call_seed(c, k), size) for c in range(clients) for k in range(calls)
     }

@@ -101,6 +101,7 @@ def pickscore_sized_clip(path: Path, tiny: bool = False) -> Path:
 def build_config(args, reward: str, model_path: Path, clip_path: Path | None):
     from bench.memory_rehearsal import sde_window_fields, set_fields
     from miles.config import parse_args
+    from miles.rewards.pickscore import PickScoreOptions
 
     cfg, _ = parse_args(["--config", str(ROOT / "configs" / "wan2_1_t2v_1_3b.yaml")])
     frames, height, width = args.shape
@@ -130,8 +131,7 @@ def build_config(args, reward: str, model_path: Path, clip_path: Path | None):
         "run.log_video_every": 0,
         "run.progress": False,
         "reward.weights": {reward if reward == "pickscore" else "jpeg_incompressibility": 1.0},
-        "reward.pickscore_path": str(clip_path) if clip_path else None,
-        "reward.pickscore_processor_path": None,
+        "reward.pickscore": PickScoreOptions(model_path=str(clip_path) if clip_path else None),
         "rollout.precision": args.rollout_precision,
     }
     if args.model == "tiny":  # the tiny model's text encoder is not UMT5-XXL: shorter prompts

@@ -23,6 +23,8 @@ from typing import Annotated, Any, Literal
 import tyro
 import yaml
 
+from miles.rewards import reward_option_classes  # the rewards register themselves and their options
+
 _NO_PREFIX = tyro.conf.arg(prefix_name=False)
 
 
@@ -198,7 +200,9 @@ class RolloutConfig:
 
 
 @dataclasses.dataclass(kw_only=True)
-class RewardConfig:
+class RewardMixConfig:
+    """The rewards trained on and how they are mixed; each reward's own options follow in its section."""
+
     weights: dict[str, float] = dataclasses.field(default_factory=lambda: {"jpeg_incompressibility": 1.0})
     """Reward name -> weight; the combined reward is the weighted sum."""
     normalize: dict[str, Literal["none", "group", "batch"]] = dataclasses.field(default_factory=dict)
@@ -209,71 +213,27 @@ class RewardConfig:
     gold: list[str] = dataclasses.field(default_factory=list)
     """Rewards scored on held-out evaluation only, never trained on (logged as ``eval/<name>/mean``
     beside the trained ones) to watch over-optimisation; built and checked before the first rollout."""
-    pickscore_path: str | None = None
-    """Local folder of a PickScore CLIP model (yuvalkirstain/PickScore_v1)."""
-    pickscore_processor_path: str | None = None
-    """Local folder of its processor (laion/CLIP-ViT-H-14-laion2B-s32B-b79K); None: pickscore_path."""
     num_frames: int = 4
-    """Frames sampled uniformly from each video for frame-level rewards."""
-    clipscore_path: str | None = None
-    """``clipscore``: local folder of a transformers CLIP model + processor (openai/clip-vit-base-patch32)."""
-    hps_path: str | None = None
-    """``hpsv2``: HPS_v2.1_compressed.pt (xswu/HPSv2), or a folder holding it (an OpenCLIP checkpoint)."""
-    hps_processor_path: str | None = None
-    """``hpsv2``: local folder of laion/CLIP-ViT-H-14-laion2B-s32B-b79K (its config.json and processor)."""
-    aesthetic_clip_path: str | None = None
-    """``aesthetic``: local folder of openai/clip-vit-large-patch14 (model + processor)."""
-    videoalign_path: str | None = None
-    """``videoalign``: local save_pretrained folder of a Qwen2-VL reward model with ``rm_head`` (KwaiVGI/VideoReward)."""
-    videoalign_dimension: Literal["overall", "vq", "mq", "ta"] = "overall"
-    """``videoalign``: what it returns: standardised visual quality, motion quality, text alignment, or their sum."""
-    videoalign_num_frames: int = 8
-    """``videoalign``: frames per video fed to Qwen2-VL, sampled uniformly (paired by its temporal patch of 2)."""
-    videoalign_max_pixels: int = 448 * 448
-    """``videoalign``: frames are resized to a multiple of 28 within this many pixels (smart_resize)."""
-    aesthetic_head_path: str | None = None
-    """``aesthetic``: sac+logos+ava1-l14-linearMSE.pth (camenduru/improved-aesthetic-predictor), or its folder."""
-    remote_url: str | None = None
-    """``remote``: base URL of a reward server (start it first: ``python -m miles.rewards.serve``)."""
-    remote_rewards: dict[str, float] | None = None
-    """``remote``: reward name -> weight the server computes; None: every reward it hosts, weight 1."""
-    remote_timeout_s: float = 300.0
-    """``remote``: seconds to wait for the answer to one request (the server scores its whole batch)."""
-    remote_retries: int = 3
-    """``remote``: retries of a request after a connection error, timeout or HTTP 429/5xx."""
-    remote_backoff_s: float = 0.5
-    """``remote``: wait before the first retry, doubled for each further one."""
-    remote_batch_size: int | None = None
-    """``remote``: videos per request; None: each scoring call in one request."""
-    remote_num_frames: int | None = None
-    """``remote``: send only this many frames per video, sampled uniformly (match the server's
-    --num-frames to keep frame-sampling rewards exact); None: every frame."""
-    vlm_url: str | None = None
-    """``vlm_judge``: OpenAI-compatible server (vLLM, SGLang): POST {url}/v1/chat/completions."""
-    vlm_model: str | None = None
-    """``vlm_judge``: the served model name; None: the only model the server lists."""
-    vlm_api_key: str | None = None
-    """``vlm_judge``: bearer token; None: $MILES_VLM_API_KEY or $OPENAI_API_KEY (prefer these: the
-    config is saved in the run directory)."""
-    vlm_question: str | None = None
-    """``vlm_judge``: question after the frames, with {prompt} (and {lo}, {hi}, {num_frames});
-    None: miles.rewards.vlm_judge.DEFAULT_QUESTION, which asks for a final 'Score: N'."""
-    vlm_num_frames: int = 4
-    """``vlm_judge``: frames per video sent to the judge, sampled uniformly."""
-    vlm_score_range: list[float] = dataclasses.field(default_factory=lambda: [1.0, 5.0])
-    """``vlm_judge``: [lo, hi] of the judge's scale; a score s maps to (s - lo) / (hi - lo)."""
-    vlm_unparsable: Literal["error", "min"] = "error"
-    """``vlm_judge``: an answer without a score in range raises (error) or scores 0 (min); both count it."""
-    vlm_timeout_s: float = 120.0
-    """``vlm_judge``: seconds to wait for one answer."""
-    vlm_retries: int = 3
-    """``vlm_judge``: retries of a request after a connection error, timeout or HTTP 429/5xx."""
-    vlm_backoff_s: float = 1.0
-    """``vlm_judge``: wait before the first retry, doubled for each further one."""
-    vlm_concurrency: int = 8
-    """``vlm_judge``: requests in flight at once (one video each; the server batches them)."""
-    vlm_max_tokens: int = 512
-    """``vlm_judge``: the answer's token limit (room for a short reason before the score)."""
+    """Frames sampled uniformly from each video by the frame-level rewards (jpeg_*, sharpness,
+    pickscore, clipscore, hpsv2, aesthetic); a reward with its own ``num_frames`` option uses that."""
+
+
+def _reward_config_class() -> type:
+    """``RewardConfig``: the mix (:class:`RewardMixConfig`), then one section per registered reward
+    that has options, ``reward.NAME`` (e.g. ``reward.pickscore.model_path``), of the options
+    dataclass declared in the reward's own file (``miles.rewards.registry``): a new reward and its
+    options never touch this file."""
+    sections = reward_option_classes()
+    clash = sorted(set(sections) & {f.name for f in dataclasses.fields(RewardMixConfig)})
+    assert not clash, f"rewards named like a reward.* field: {clash}"
+    fields = [(name, cls, dataclasses.field(default_factory=cls)) for name, cls in sections.items()]
+    cls = dataclasses.make_dataclass("RewardConfig", fields, bases=(RewardMixConfig,), kw_only=True)
+    cls.__module__ = __name__
+    cls.__doc__ = RewardMixConfig.__doc__
+    return cls
+
+
+RewardConfig = _reward_config_class()
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -572,21 +532,6 @@ RANGES: dict[str, tuple[str, str]] = {
     "rollout.sde_window_range": (">= 0", "[lo, hi) of denoising step indices"),
     "reward.weights": ("any", ""),
     "reward.num_frames": (">= 1", "frames sampled from each video for frame-level rewards"),
-    "reward.videoalign_num_frames": (">= 1", ""),
-    "reward.videoalign_max_pixels": (">= 1", ""),
-    "reward.remote_rewards": ("any", ""),
-    "reward.remote_timeout_s": ("> 0", ""),
-    "reward.remote_retries": (">= 0", ""),
-    "reward.remote_backoff_s": (">= 0", ""),
-    "reward.remote_batch_size": (">= 1", ""),
-    "reward.remote_num_frames": (">= 1", ""),
-    "reward.vlm_num_frames": (">= 1", ""),
-    "reward.vlm_score_range": ("any", ""),
-    "reward.vlm_timeout_s": ("> 0", ""),
-    "reward.vlm_retries": (">= 0", ""),
-    "reward.vlm_backoff_s": (">= 0", ""),
-    "reward.vlm_concurrency": (">= 1", ""),
-    "reward.vlm_max_tokens": (">= 1", ""),
     "grpo.clip_range": ("> 0", "Flow-GRPO uses 1e-4"),
     "grpo.adv_clip_max": ("> 0", ""),
     "grpo.kl_beta": (">= 0", "0 turns the KL term off"),
@@ -637,6 +582,14 @@ RANGES: dict[str, tuple[str, str]] = {
     "train.keep_checkpoints": (">= 0", "the last K complete checkpoints are kept, 0 keeps every one"),
     "train.ema_decay": ("[0, 1)", "0 turns the EMA off"),
 }
+# Each reward's options declare their own ranges (their class's RANGES, keyed by field).
+RANGES.update(
+    {
+        f"reward.{name}.{key}": rule
+        for name, options in reward_option_classes().items()
+        for key, rule in getattr(options, "RANGES", {}).items()
+    }
+)
 
 
 def _satisfies(value: float, rule: str) -> bool:
@@ -697,8 +650,9 @@ def check_run_name(run: RunConfig) -> None:
 def check_reward_signal(reward: RewardConfig) -> None:
     """A reward set whose weights are all 0 trains on a constant reward: no advantage, no gradient."""
     weights = list(reward.weights.values())
-    if "remote" in reward.weights and reward.remote_rewards:
-        weights = [w * reward.weights["remote"] for w in reward.remote_rewards.values()] + [
+    remote = getattr(reward, "remote", None)
+    if "remote" in reward.weights and remote is not None and remote.rewards:
+        weights = [w * reward.weights["remote"] for w in remote.rewards.values()] + [
             w for n, w in reward.weights.items() if n != "remote"
         ]
     if weights and not any(weights):
@@ -707,6 +661,17 @@ def check_reward_signal(reward: RewardConfig) -> None:
             "for every sample, so no advantage and no gradient. Give the reward to train on a non-zero "
             "weight (--reward.weights.NAME 1.0); a weight of 0 only logs a reward beside a trained one"
         )
+
+
+def check_reward_options(reward: RewardConfig) -> None:
+    """Each reward section's own checks (its options class's ``check()``, if any), every section alike."""
+    for name in reward_option_classes():
+        check = getattr(getattr(reward, name), "check", None)
+        if check is not None:
+            try:
+                check()
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
 
 
 def validate(cfg: Config) -> None:
@@ -764,16 +729,12 @@ def validate(cfg: Config) -> None:
             "algorithm.name grpo_guard weights every SDE step by 1/|dt| itself: set grpo.step_loss_weight none",
         ),
         (bool(cfg.reward.weights), "reward.weights must name at least one reward"),
-        (
-            len(cfg.reward.vlm_score_range) == 2
-            and cfg.reward.vlm_score_range[0] < cfg.reward.vlm_score_range[1],
-            f"reward.vlm_score_range must be [lo, hi] with lo < hi, got {cfg.reward.vlm_score_range}",
-        ),
     ]
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
     check_reward_signal(cfg.reward)
+    check_reward_options(cfg.reward)
     samples = cfg.data.prompts_per_rank * cfg.data.group_size
     per_step = samples // cfg.train.steps_per_rollout
     if samples % cfg.train.steps_per_rollout or per_step % cfg.train.micro_batch_size:
@@ -890,7 +851,10 @@ def _build(cls: type, data: dict, prefix: str = "") -> Any:
     for name, value in data.items():
         key = f"{prefix}.{name}" if prefix else str(name)
         if name not in fields:
-            raise ConfigError(f"unknown config key '{key}'; valid keys here: {sorted(fields)}")
+            hint = ""
+            if prefix == "reward":  # the flat options before each reward had its section
+                hint = " (a reward's options sit in its own section: reward.NAME.OPTION, e.g. reward.pickscore.model_path)"
+            raise ConfigError(f"unknown config key '{key}'; valid keys here: {sorted(fields)}{hint}")
         kwargs[name] = _check_value(key, value, hints[name])
     if cls is Config:
         # Section defaults are filled in first so that validation sees the whole config.

@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 
 from miles.config import Config, ConfigError, ModelConfig, parse_args
+from miles.console import configure_library_progress, show_progress
+from miles.files import check_writable, verify_checkpoint
 
 
 def load_checkpoint_weights(model, checkpoint: Path, model_cfg: ModelConfig) -> None:
@@ -74,12 +76,8 @@ def _parse(argv: list[str] | None) -> tuple[Config, Path, Path | None]:
     pre.add_argument("--checkpoint", type=Path, default=None)
     opts, rest = pre.parse_known_args(argv)
     cfg, _ = parse_args(rest)
-    from miles.train.run_dir import check_writable
-
     check_writable(opts.out, what="--out")  # found now, not after the sampling
     if opts.checkpoint is not None:
-        from miles.train.checkpoint import verify_checkpoint
-
         verify_checkpoint(opts.checkpoint)  # whole, and every file's sha256 as saved
         saved = json.loads((opts.checkpoint / "trainer.json").read_text())["config"]["model"]
         cfg.model = ModelConfig(**saved)
@@ -97,8 +95,6 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         cfg, out, checkpoint = _parse(argv)
-        from miles.train.logging import configure_library_progress, show_progress
-
         configure_library_progress(show_progress(cfg.run.progress))  # no bars into a redirected log
         held_out = load_prompts(cfg.eval.prompt_file)
         prompts = [p.text for p in held_out]

@@ -1,12 +1,15 @@
 """Rewards for GRPO on decoded videos: a registry, the weighted mix, and the built-in rewards.
 
     rewards = build_rewards({"pickscore": 1.0, "jpeg_compressibility": 0.1},
-                            pickscore_path="/ckpt/PickScore_v1", device="cuda", dtype="bfloat16")
+                            {"pickscore": {"model_path": "/ckpt/PickScore_v1"}}, device="cuda", dtype="bfloat16")
     combined, per_reward = rewards(videos, prompts)  # videos (B, F, C, H, W) in [0, 1]
 
 Built in: ``jpeg_compressibility``, ``jpeg_incompressibility`` (DDPO), ``pickscore`` (flow_grpo),
 ``sharpness`` (continuous, download-free), ``clipscore``, ``hpsv2`` (HPSv2.1), ``aesthetic`` (LAION),
 ``videoalign`` (a Qwen2-VL video reward), ``remote`` (a reward server), ``vlm_judge`` (an OpenAI-compatible VLM), ``world_adherence``.
+
+Adding a reward: write its file (the reward, its options dataclass, ``@register_reward(name,
+options=...)``) and import it below; its config section ``reward.NAME`` follows from the registry.
 """
 
 from miles.rewards.aesthetic import Aesthetic
@@ -15,7 +18,13 @@ from miles.rewards.clipscore import CLIPScore
 from miles.rewards.hpsv2 import HPSv2
 from miles.rewards.jpeg import JpegCompressibility, JpegIncompressibility
 from miles.rewards.pickscore import PickScore
-from miles.rewards.registry import MultiReward, build_rewards, register_reward, registered_rewards
+from miles.rewards.registry import (
+    MultiReward,
+    build_rewards,
+    register_reward,
+    registered_rewards,
+    reward_option_classes,
+)
 from miles.rewards.remote import RemoteReward, RemoteRewardError
 from miles.rewards.sharpness import Sharpness
 from miles.rewards.tiny_clip import tiny_clip
@@ -44,6 +53,7 @@ __all__ = [
     "frames_to_uint8",
     "register_reward",
     "registered_rewards",
+    "reward_option_classes",
     "sample_frame_indices",
     "tiny_clip",
 ]

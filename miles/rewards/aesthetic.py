@@ -6,13 +6,14 @@ five Linear layers with dropout between them and no activation (768 -> 1024 -> 1
 -> 1), stored as a torch state dict with keys ``layers.{0,2,4,6,7}.{weight,bias}``; its sizes
 are read from the file, so a head for another CLIP width loads too.
 
-Weights: ``reward.aesthetic_clip_path`` is a save_pretrained folder of ``openai/clip-vit-large-patch14``
-(model and processor); ``reward.aesthetic_head_path`` is ``sac+logos+ava1-l14-linearMSE.pth``
+Weights: ``reward.aesthetic.clip_path`` is a save_pretrained folder of ``openai/clip-vit-large-patch14``
+(model and processor); ``reward.aesthetic.head_path`` is ``sac+logos+ava1-l14-linearMSE.pth``
 (from ``camenduru/improved-aesthetic-predictor``, or the LAION GitHub repo) or a folder holding it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence
 
@@ -41,7 +42,17 @@ def aesthetic_head(state: dict[str, torch.Tensor]) -> nn.Sequential:
     return head.eval().requires_grad_(False)
 
 
-@register_reward("aesthetic")
+@dataclasses.dataclass(kw_only=True)
+class AestheticOptions:
+    """``aesthetic``: the LAION aesthetic MLP on CLIP L/14 embeddings, mean over ``reward.num_frames`` frames."""
+
+    clip_path: str | None = None
+    """Local folder of openai/clip-vit-large-patch14 (model + processor)."""
+    head_path: str | None = None
+    """sac+logos+ava1-l14-linearMSE.pth (camenduru/improved-aesthetic-predictor), or its folder."""
+
+
+@register_reward("aesthetic", options=AestheticOptions)
 class Aesthetic(Reward):
     """The LAION aesthetic score (about 1..10) of sampled frames, averaged."""
 
@@ -49,37 +60,37 @@ class Aesthetic(Reward):
 
     def __init__(
         self,
-        aesthetic_clip_path: str | os.PathLike | None = None,
-        aesthetic_head_path: str | os.PathLike | None = None,
+        clip_path: str | os.PathLike | None = None,
+        head_path: str | os.PathLike | None = None,
         num_frames: int | None = 4,
         device: str | torch.device = "cpu",
         dtype: torch.dtype | str = torch.float32,
     ) -> None:
         self.num_frames = check_num_frames(num_frames)
         self.dtype = resolve_dtype(dtype)
-        clip_path, head_path = self.check_resources(aesthetic_clip_path, aesthetic_head_path)
+        clip_path, head_path = self.check_resources(clip_path, head_path)
         device = torch.device(device)
-        self.processor = cc.load_processor(clip_path, "reward.aesthetic_clip_path", CLIP_REPO)
-        self.model = cc.load_clip(clip_path, "reward.aesthetic_clip_path", CLIP_REPO, device, self.dtype)
+        self.processor = cc.load_processor(clip_path, "reward.aesthetic.clip_path", CLIP_REPO)
+        self.model = cc.load_clip(clip_path, "reward.aesthetic.clip_path", CLIP_REPO, device, self.dtype)
         try:
             state = torch.load(head_path, map_location="cpu", weights_only=True)
             state = {k.removeprefix("module."): v for k, v in state.get("state_dict", state).items()}
             self.head = aesthetic_head(state).to(device)
         except (OSError, RuntimeError, KeyError, AttributeError) as e:
             raise ValueError(
-                f"reward.aesthetic_head_path={head_path!r} is not the LAION aesthetic head ({e}); "
+                f"reward.aesthetic.head_path={head_path!r} is not the LAION aesthetic head ({e}); "
                 f"expected {HEAD_FILES[0]} from {HEAD_REPO}"
             ) from e
 
     @staticmethod
     def check_resources(
-        aesthetic_clip_path: str | os.PathLike | None = None,
-        aesthetic_head_path: str | os.PathLike | None = None,
+        clip_path: str | os.PathLike | None = None,
+        head_path: str | os.PathLike | None = None,
         **_: object,
     ) -> tuple[str, str]:
         groups = [("config.json",), cc.MODEL_FILES, *cc.PROCESSOR_FILES]
-        clip = cc.check_folder(aesthetic_clip_path, "reward.aesthetic_clip_path", CLIP_REPO, groups)
-        head = cc.check_file(aesthetic_head_path, "reward.aesthetic_head_path", HEAD_REPO, HEAD_FILES)
+        clip = cc.check_folder(clip_path, "reward.aesthetic.clip_path", CLIP_REPO, groups)
+        head = cc.check_file(head_path, "reward.aesthetic.head_path", HEAD_REPO, HEAD_FILES)
         return clip, head
 
     @torch.no_grad()

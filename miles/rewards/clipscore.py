@@ -3,13 +3,14 @@
 ``CLIP-S(frame, prompt) = w * max(cos(image_emb, text_emb), 0)`` with w = 2.5 (the paper's
 rescaling); a video scores the mean over ``num_frames`` frames sampled uniformly in time.
 
-Weights: ``reward.clipscore_path`` is a local save_pretrained folder of a transformers CLIP model
+Weights: ``reward.clipscore.model_path`` is a local save_pretrained folder of a transformers CLIP model
 with its processor: ``openai/clip-vit-base-patch32`` (the paper's; any CLIP folder works, e.g.
 ``openai/clip-vit-large-patch14`` as torchmetrics uses).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence
 
@@ -24,7 +25,15 @@ CLIPSCORE_W = 2.5
 REPO = "openai/clip-vit-base-patch32"
 
 
-@register_reward("clipscore")
+@dataclasses.dataclass(kw_only=True)
+class CLIPScoreOptions:
+    """``clipscore``: 2.5 * max(cos, 0) of a CLIP model, mean over ``reward.num_frames`` sampled frames."""
+
+    model_path: str | None = None
+    """Local folder of a transformers CLIP model + processor (openai/clip-vit-base-patch32)."""
+
+
+@register_reward("clipscore", options=CLIPScoreOptions)
 class CLIPScore(Reward):
     """``2.5 * max(cos, 0)`` between each sampled frame and the prompt, averaged over frames."""
 
@@ -32,21 +41,21 @@ class CLIPScore(Reward):
 
     def __init__(
         self,
-        clipscore_path: str | os.PathLike | None = None,
+        model_path: str | os.PathLike | None = None,
         num_frames: int | None = 4,
         device: str | torch.device = "cpu",
         dtype: torch.dtype | str = torch.float32,
     ) -> None:
         self.num_frames = check_num_frames(num_frames)
         self.dtype = resolve_dtype(dtype)
-        path = self.check_resources(clipscore_path)
-        self.processor = cc.load_processor(path, "reward.clipscore_path", REPO)
-        self.model = cc.load_clip(path, "reward.clipscore_path", REPO, torch.device(device), self.dtype)
+        path = self.check_resources(model_path)
+        self.processor = cc.load_processor(path, "reward.clipscore.model_path", REPO)
+        self.model = cc.load_clip(path, "reward.clipscore.model_path", REPO, torch.device(device), self.dtype)
 
     @staticmethod
-    def check_resources(clipscore_path: str | os.PathLike | None = None, **_: object) -> str:
+    def check_resources(model_path: str | os.PathLike | None = None, **_: object) -> str:
         groups = [("config.json",), cc.MODEL_FILES, *cc.PROCESSOR_FILES]
-        return cc.check_folder(clipscore_path, "reward.clipscore_path", REPO, groups)
+        return cc.check_folder(model_path, "reward.clipscore.model_path", REPO, groups)
 
     @torch.no_grad()
     def __call__(self, videos: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:

@@ -1,41 +1,39 @@
 """The trainer's rewards from its ``reward`` config section: the trained mix and the gold rewards.
 
-Every field of ``RewardConfig`` other than ``weights``, ``normalize`` and ``gold`` is a reward
-option routed by ``build_rewards`` to the rewards whose constructor takes it (``remote_url`` to
-``remote``, ``vlm_*`` to ``vlm_judge``, ``clipscore_path`` to ``clipscore``...), so a new reward
-option is one config field plus one constructor parameter of the same name.
+``reward.weights``, ``normalize`` and ``gold`` choose and mix the rewards, ``reward.num_frames`` is the
+common frame count, and each reward's options come from its own section ``reward.NAME`` (the options
+dataclass registered with it, ``miles.rewards.registry``), passed to it field for field.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
 
-from miles.rewards.registry import MultiReward, build_rewards, check_resources
+from miles.rewards.registry import MultiReward, build_rewards, check_resources, reward_option_classes
 from miles.rewards.shaping import check_gold, check_normalize
 
-_SHAPING_FIELDS = frozenset({"weights", "normalize", "gold"})
+
+def reward_sections(reward_cfg: Any) -> dict[str, Any]:
+    """``{reward name: its options}``: the section of ``reward_cfg`` (a ``RewardConfig``) of every
+    reward that has options."""
+    return {name: getattr(reward_cfg, name) for name in reward_option_classes()}
 
 
-def reward_options(reward_cfg: Any, device: torch.device | str | None = None) -> dict[str, Any]:
-    """The options of ``reward_cfg`` (a ``RewardConfig``) for ``build_rewards``, plus ``device``."""
-    options = {
-        f.name: getattr(reward_cfg, f.name)
-        for f in dataclasses.fields(reward_cfg)
-        if f.name not in _SHAPING_FIELDS
-    }
+def common_arguments(reward_cfg: Any, device: torch.device | str | None = None) -> dict[str, Any]:
+    """What every reward that takes it gets: ``num_frames`` (``reward.num_frames``) and ``device``."""
+    common: dict[str, Any] = {"num_frames": reward_cfg.num_frames}
     if device is not None:
-        options["device"] = device
-    return options
+        common["device"] = device
+    return common
 
 
 def check_reward_config(reward_cfg: Any) -> None:
     """What building the rewards would refuse, loading nothing: shaping options and local weights."""
     check_normalize(reward_cfg.normalize, reward_cfg.weights)
     check_gold(reward_cfg.gold, reward_cfg.weights)
-    check_resources([*reward_cfg.weights, *reward_cfg.gold], **reward_options(reward_cfg))
+    check_resources([*reward_cfg.weights, *reward_cfg.gold], reward_sections(reward_cfg))
 
 
 def build_configured_rewards(
@@ -43,7 +41,7 @@ def build_configured_rewards(
 ) -> tuple[MultiReward, MultiReward | None]:
     """``(trained mix, gold mix or None)``; every folder is checked before any model loads."""
     check_reward_config(reward_cfg)
-    options = reward_options(reward_cfg, device)
-    trained = build_rewards(reward_cfg.weights, **options)
-    gold = build_rewards(dict.fromkeys(reward_cfg.gold, 0.0), **options) if reward_cfg.gold else None
+    sections, common = reward_sections(reward_cfg), common_arguments(reward_cfg, device)
+    trained = build_rewards(reward_cfg.weights, sections, **common)
+    gold = build_rewards(dict.fromkeys(reward_cfg.gold, 0.0), sections, **common) if reward_cfg.gold else None
     return trained, gold

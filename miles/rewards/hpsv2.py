@@ -13,12 +13,13 @@ projection ``in_proj_weight`` splits into q/k/v; its ``proj`` matrices are the t
 projection weights. The processor (resize shortest side bicubic, centre crop, the OpenAI CLIP
 mean/std; CLIP's BPE) is what OpenCLIP's eval transform and tokenizer do.
 
-Weights: ``reward.hps_path`` holds ``HPS_v2.1_compressed.pt`` (``xswu/HPSv2``);
-``reward.hps_processor_path`` is ``laion/CLIP-ViT-H-14-laion2B-s32B-b79K`` (config + processor).
+Weights: ``reward.hpsv2.model_path`` holds ``HPS_v2.1_compressed.pt`` (``xswu/HPSv2``);
+``reward.hpsv2.processor_path`` is ``laion/CLIP-ViT-H-14-laion2B-s32B-b79K`` (config + processor).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence
 
@@ -92,7 +93,17 @@ def open_clip_to_transformers(state: dict[str, torch.Tensor]) -> dict[str, torch
     return out
 
 
-@register_reward("hpsv2")
+@dataclasses.dataclass(kw_only=True)
+class HPSv2Options:
+    """``hpsv2``: HPSv2.1, the cosine of a tuned OpenCLIP ViT-H-14, mean over ``reward.num_frames`` frames."""
+
+    model_path: str | None = None
+    """HPS_v2.1_compressed.pt (xswu/HPSv2), or a folder holding it (an OpenCLIP checkpoint)."""
+    processor_path: str | None = None
+    """Local folder of laion/CLIP-ViT-H-14-laion2B-s32B-b79K (its config.json and processor)."""
+
+
+@register_reward("hpsv2", options=HPSv2Options)
 class HPSv2(Reward):
     """HPSv2.1: the cosine between each sampled frame and the prompt, averaged over frames."""
 
@@ -100,8 +111,8 @@ class HPSv2(Reward):
 
     def __init__(
         self,
-        hps_path: str | os.PathLike | None = None,
-        hps_processor_path: str | os.PathLike | None = None,
+        model_path: str | os.PathLike | None = None,
+        processor_path: str | os.PathLike | None = None,
         num_frames: int | None = 4,
         device: str | torch.device = "cpu",
         dtype: torch.dtype | str = torch.float32,
@@ -110,8 +121,8 @@ class HPSv2(Reward):
 
         self.num_frames = check_num_frames(num_frames)
         self.dtype = resolve_dtype(dtype)
-        ckpt, arch = self.check_resources(hps_path, hps_processor_path)
-        self.processor = cc.load_processor(arch, "reward.hps_processor_path", ARCH_REPO)
+        ckpt, arch = self.check_resources(model_path, processor_path)
+        self.processor = cc.load_processor(arch, "reward.hpsv2.processor_path", ARCH_REPO)
         model = CLIPModel(CLIPConfig.from_pretrained(arch, local_files_only=True))
         try:
             raw = torch.load(ckpt, map_location="cpu", weights_only=True)
@@ -124,20 +135,20 @@ class HPSv2(Reward):
         except (OSError, RuntimeError, KeyError, AttributeError, ValueError) as e:
             raise ValueError(
                 f"{ckpt!r} is not an OpenCLIP checkpoint of the architecture in "
-                f"reward.hps_processor_path={arch!r} ({e}); expected {HPS_FILES[0]} from {HPS_REPO} "
+                f"reward.hpsv2.processor_path={arch!r} ({e}); expected {HPS_FILES[0]} from {HPS_REPO} "
                 f"with {ARCH_REPO}'s folder"
             ) from e
         self.model = model.to(device=torch.device(device), dtype=self.dtype).eval().requires_grad_(False)
 
     @staticmethod
     def check_resources(
-        hps_path: str | os.PathLike | None = None,
-        hps_processor_path: str | os.PathLike | None = None,
+        model_path: str | os.PathLike | None = None,
+        processor_path: str | os.PathLike | None = None,
         **_: object,
     ) -> tuple[str, str]:
-        ckpt = cc.check_file(hps_path, "reward.hps_path", HPS_REPO, HPS_FILES)
+        ckpt = cc.check_file(model_path, "reward.hpsv2.model_path", HPS_REPO, HPS_FILES)
         groups = [("config.json",), *cc.PROCESSOR_FILES]
-        arch = cc.check_folder(hps_processor_path, "reward.hps_processor_path", ARCH_REPO, groups)
+        arch = cc.check_folder(processor_path, "reward.hpsv2.processor_path", ARCH_REPO, groups)
         return ckpt, arch
 
     @torch.no_grad()

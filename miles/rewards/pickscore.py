@@ -4,14 +4,15 @@
 model; the /26 brings the typical range near 1. Departure from flow_grpo: a video scores the
 mean over ``num_frames`` frames sampled uniformly in time (``round(linspace(0, F-1, K))``).
 
-Weights are loaded only from local folders (``local_files_only``): ``reward.pickscore_path`` is
-a copy of ``yuvalkirstain/PickScore_v1`` and ``reward.pickscore_processor_path`` (default: the
+Weights are loaded only from local folders (``local_files_only``): ``reward.pickscore.model_path``
+is a copy of ``yuvalkirstain/PickScore_v1`` and ``reward.pickscore.processor_path`` (default: the
 model folder) one of ``laion/CLIP-ViT-H-14-laion2B-s32B-b79K``'s processor. Tests and the tiny
 recipe use ``miles.rewards.tiny_clip.tiny_clip`` to make a random stand-in of the same layout.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence
 
@@ -75,7 +76,17 @@ def _check_folder(
     return path
 
 
-@register_reward("pickscore")
+@dataclasses.dataclass(kw_only=True)
+class PickScoreOptions:
+    """``pickscore``: PickScore_v1 (a CLIP-H), mean over ``reward.num_frames`` sampled frames."""
+
+    model_path: str | None = None
+    """Local folder of a PickScore CLIP model (yuvalkirstain/PickScore_v1)."""
+    processor_path: str | None = None
+    """Local folder of its processor (laion/CLIP-ViT-H-14-laion2B-s32B-b79K); None: model_path."""
+
+
+@register_reward("pickscore", options=PickScoreOptions)
 class PickScore(Reward):
     """PickScore of each video against its prompt, averaged over ``num_frames`` sampled frames."""
 
@@ -83,8 +94,8 @@ class PickScore(Reward):
 
     def __init__(
         self,
-        pickscore_path: str | os.PathLike | None = None,
-        pickscore_processor_path: str | os.PathLike | None = None,
+        model_path: str | os.PathLike | None = None,
+        processor_path: str | os.PathLike | None = None,
         num_frames: int | None = 4,
         device: str | torch.device = "cpu",
         dtype: torch.dtype | str = torch.float32,
@@ -93,9 +104,7 @@ class PickScore(Reward):
         self.num_frames = check_num_frames(num_frames)
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype)
-        model_path, processor_key, processor_path = self.check_resources(
-            pickscore_path, pickscore_processor_path
-        )
+        model_path, processor_key, processor_path = self.check_resources(model_path, processor_path)
 
         from transformers import CLIPModel, CLIPProcessor  # deferred: importing transformers is slow
 
@@ -110,7 +119,7 @@ class PickScore(Reward):
             model = CLIPModel.from_pretrained(model_path, local_files_only=True)
         except (OSError, ValueError, TypeError, KeyError) as e:
             raise ValueError(
-                f"could not load a CLIPModel from reward.pickscore_path={model_path!r} ({e}); it must be a "
+                f"could not load a CLIPModel from reward.pickscore.model_path={model_path!r} ({e}); it must be a "
                 "save_pretrained folder of a CLIP model, e.g. yuvalkirstain/PickScore_v1"
             ) from e
         self.model = model.to(device=self.device, dtype=self.dtype).eval().requires_grad_(False)
@@ -119,24 +128,24 @@ class PickScore(Reward):
 
     @staticmethod
     def check_resources(
-        pickscore_path: str | os.PathLike | None = None,
-        pickscore_processor_path: str | os.PathLike | None = None,
+        model_path: str | os.PathLike | None = None,
+        processor_path: str | os.PathLike | None = None,
         **_: object,
     ) -> tuple[str, str, str]:
         """Check the local folders (loading nothing): ``(model path, processor key, processor path)``."""
         model_path = _check_folder(
-            pickscore_path,
-            "reward.pickscore_path",
+            model_path,
+            "reward.pickscore.model_path",
             "the PickScore CLIP model",
             [("config.json",), _MODEL_FILES],
         )
-        if pickscore_processor_path is None:
-            processor_key, processor_path = "reward.pickscore_path", model_path
+        if processor_path is None:
+            processor_key, processor_path = "reward.pickscore.model_path", model_path
             what = (
-                "the CLIP processor (or set reward.pickscore_processor_path to a separate processor folder)"
+                "the CLIP processor (or set reward.pickscore.processor_path to a separate processor folder)"
             )
         else:
-            processor_key, processor_path = "reward.pickscore_processor_path", pickscore_processor_path
+            processor_key = "reward.pickscore.processor_path"
             what = "the CLIP processor"
         processor_path = _check_folder(
             processor_path, processor_key, what, [_IMAGE_PROCESSOR_FILES, _TOKENIZER_FILES]

@@ -1,8 +1,8 @@
 """``remote``: score videos with rewards hosted by a reward server (``python -m miles.rewards.serve``).
 
     python -m miles.rewards.serve --rewards world_adherence --port 8000       # start it first
-    rewards = build_rewards({"remote": 1.0}, remote_url="http://127.0.0.1:8000",
-                            remote_rewards={"world_adherence": 1.0})
+    rewards = build_rewards({"remote": 1.0}, {"remote": {"url": "http://127.0.0.1:8000",
+                                                         "rewards": {"world_adherence": 1.0}}})
 
 A reward model that wants its own GPU, environment or process (a big CLIP, a VLM) runs once in
 the server and every trainer rank sends it its decoded videos. The constructor checks the
@@ -10,7 +10,7 @@ server's ``/health`` and that it hosts the requested rewards (:func:`check_rewar
 its ``check_resources``, which the dry run and the trainer call before any weights load), so a
 missing server, a wrong token or an unhosted reward is refused before the first rollout. A
 server started with a token (``$MILES_REWARD_TOKEN``) gets it as ``Authorization: Bearer``
-from ``remote_token`` or that variable.
+from ``reward.remote.token`` or that variable.
 
 Wire format (version 1; docs/rewards.md has the details):
 
@@ -24,11 +24,11 @@ Quantisation: the server scores ``dequantize_frames(frames)`` = uint8 / 255 as f
 remote score equals, bitwise, the in-process score of ``dequantize_frames(frames_to_uint8(videos))``.
 Rewards that quantise frames themselves (JPEG sizes, PickScore) give the in-process score of the
 original videos; float rewards (``sharpness``, ``world_adherence``) see frames rounded to 1/255.
-The combined score is summed client-side in the order of ``remote_rewards``, as ``MultiReward``
-does, so ``{"remote": 1}`` with ``remote_rewards`` W matches an in-process mix W bitwise.
+The combined score is summed client-side in the order of ``reward.remote.rewards``, as ``MultiReward``
+does, so ``{"remote": 1}`` with ``rewards`` W matches an in-process mix W bitwise.
 
-Failures: connection errors, timeouts and HTTP 429/5xx are retried ``remote_retries`` times,
-waiting ``remote_backoff_s * 2**k`` before retry k+1; each request carries one id over all its
+Failures: connection errors, timeouts and HTTP 429/5xx are retried ``retries`` times,
+waiting ``backoff_s * 2**k`` before retry k+1; each request carries one id over all its
 retries and the server caches its answer per id, so a retried batch is scored once and no sample
 is lost. Other HTTP errors, a malformed body or a wrong number of scores raise
 :class:`RemoteRewardError` at once, naming the URL.
@@ -36,6 +36,7 @@ is lost. Other HTTP errors, a malformed body or a wrong number of scores raise
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -43,7 +44,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import requests
@@ -211,13 +212,13 @@ class HttpClient:
 def check_http_options(prefix: str, url: str | None, timeout_s: float, retries: int, backoff_s: float) -> str:
     """Validate the URL, timeout and retry options of an HTTP reward; returns the URL without a final /."""
     if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-        raise ValueError(f"reward.{prefix}_url must be an http(s):// base URL; got {url!r}")
+        raise ValueError(f"reward.{prefix}.url must be an http(s):// base URL; got {url!r}")
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
-        raise ValueError(f"reward.{prefix}_timeout_s must be > 0 seconds; got {timeout_s!r}")
+        raise ValueError(f"reward.{prefix}.timeout_s must be > 0 seconds; got {timeout_s!r}")
     if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
-        raise ValueError(f"reward.{prefix}_retries must be an int >= 0; got {retries!r}")
+        raise ValueError(f"reward.{prefix}.retries must be an int >= 0; got {retries!r}")
     if isinstance(backoff_s, bool) or not isinstance(backoff_s, (int, float)) or backoff_s < 0:
-        raise ValueError(f"reward.{prefix}_backoff_s must be >= 0 seconds; got {backoff_s!r}")
+        raise ValueError(f"reward.{prefix}.backoff_s must be >= 0 seconds; got {backoff_s!r}")
     return url.rstrip("/")
 
 
@@ -234,15 +235,15 @@ def _resolve_weights(
     else:
         weights = {name: 1.0 for name in remote_rewards}
     if not weights:
-        raise ValueError("reward.remote_rewards names no reward; None asks for every reward the server hosts")
+        raise ValueError("reward.remote.rewards names no reward; None asks for every reward the server hosts")
     for name, weight in weights.items():
         if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
-            raise ValueError(f"reward.remote_rewards.{name} must be a finite number; got {weight!r}")
+            raise ValueError(f"reward.remote.rewards.{name} must be a finite number; got {weight!r}")
     missing = sorted(set(weights) - set(hosted))
     if missing:
         raise ValueError(
             f"the reward server at {url} does not host {missing}; it hosts {hosted} "
-            "(restart it with those names in --rewards, or change reward.remote_rewards)"
+            "(restart it with those names in --rewards, or change reward.remote.rewards)"
         )
     return {name: float(w) for name, w in weights.items()}
 
@@ -266,11 +267,11 @@ def _health(http: HttpClient, url: str) -> list[str]:
         if isinstance(e, RemoteRewardError) and ("HTTP 401" in str(e) or "HTTP 403" in str(e)):
             raise ValueError(
                 f"the reward server at {url} refused this client's token ({e}); set ${TOKEN_ENV} "
-                "(or reward remote_token) to the token the server was started with"
+                "(or reward.remote.token) to the token the server was started with"
             ) from e
         raise ValueError(
             f"no miles reward server (wire version {WIRE_VERSION}) answers at {url}/health ({e}). "
-            f"Start one before training: {start}, and set reward.remote_url to its address."
+            f"Start one before training: {start}, and set reward.remote.url to its address."
         ) from e
     return list(hosted)
 
@@ -299,7 +300,39 @@ def check_reward_server(
     return hosted
 
 
-@register_reward("remote")
+@dataclasses.dataclass(kw_only=True)
+class RemoteOptions:
+    """``remote``: rewards computed by a reward server (``python -m miles.rewards.serve``), weighted."""
+
+    RANGES: ClassVar[dict[str, tuple[str, str]]] = {
+        "rewards": ("any", ""),
+        "timeout_s": ("> 0", ""),
+        "retries": (">= 0", ""),
+        "backoff_s": (">= 0", ""),
+        "batch_size": (">= 1", ""),
+        "num_frames": (">= 1", ""),
+    }
+
+    url: str | None = None
+    """Base URL of a reward server (start it first: ``python -m miles.rewards.serve``)."""
+    rewards: dict[str, float] | None = None
+    """Reward name -> weight the server computes; None: every reward it hosts, weight 1."""
+    timeout_s: float = 300.0
+    """Seconds to wait for the answer to one request (the server scores its whole batch)."""
+    retries: int = 3
+    """Retries of a request after a connection error, timeout or HTTP 429/5xx."""
+    backoff_s: float = 0.5
+    """Wait before the first retry, doubled for each further one."""
+    batch_size: int | None = None
+    """Videos per request; None: each scoring call in one request."""
+    num_frames: int | None = None
+    """Send only this many frames per video, sampled uniformly (match the server's --num-frames to keep
+    frame-sampling rewards exact); None: every frame. This reward's own, not reward.num_frames."""
+    token: str | None = None
+    """The server's token; None: $MILES_REWARD_TOKEN (prefer it: the config is saved in the run directory)."""
+
+
+@register_reward("remote", options=RemoteOptions)
 class RemoteReward(Reward):
     """The weighted sum of rewards computed by a reward server, sent uint8 frames over HTTP."""
 
@@ -307,55 +340,47 @@ class RemoteReward(Reward):
 
     def __init__(
         self,
-        remote_url: str | None = None,
-        remote_rewards: Mapping[str, float] | Sequence[str] | str | None = None,
-        remote_timeout_s: float = 300.0,
-        remote_retries: int = 3,
-        remote_backoff_s: float = 0.5,
-        remote_batch_size: int | None = None,
-        remote_num_frames: int | None = None,
-        remote_token: str | None = None,
+        url: str | None = None,
+        rewards: Mapping[str, float] | Sequence[str] | str | None = None,
+        timeout_s: float = 300.0,
+        retries: int = 3,
+        backoff_s: float = 0.5,
+        batch_size: int | None = None,
+        num_frames: int | None = None,
+        token: str | None = None,
     ) -> None:
-        self.url = check_http_options(
-            "remote", remote_url, remote_timeout_s, remote_retries, remote_backoff_s
-        )
-        if remote_batch_size is not None and (
-            isinstance(remote_batch_size, bool)
-            or not isinstance(remote_batch_size, int)
-            or remote_batch_size < 1
+        self.url = check_http_options("remote", url, timeout_s, retries, backoff_s)
+        if batch_size is not None and (
+            isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1
         ):
-            raise ValueError(
-                f"reward.remote_batch_size must be a positive int or None; got {remote_batch_size!r}"
-            )
-        self.batch_size = remote_batch_size
-        self.num_frames = check_num_frames(remote_num_frames)
+            raise ValueError(f"reward.remote.batch_size must be a positive int or None; got {batch_size!r}")
+        self.batch_size = batch_size
+        self.num_frames = check_num_frames(num_frames)
         self.http = HttpClient(
             requests.Session(),
-            timeout_s=remote_timeout_s,
-            retries=remote_retries,
-            backoff_s=remote_backoff_s,
+            timeout_s=timeout_s,
+            retries=retries,
+            backoff_s=backoff_s,
             counters=("num_requests", "num_retries", "num_samples"),
         )
-        self.http.session.headers.update(auth_headers(remote_token))
+        self.http.session.headers.update(auth_headers(token))
         self.last_scores: dict[str, torch.Tensor] = {}
         """The unweighted score of each remote reward in the last call, (B,) float32 on the videos' device."""
         self.hosted = _health(self.http, self.url)
-        self.weights = _resolve_weights(remote_rewards, self.hosted, self.url)
+        self.weights = _resolve_weights(rewards, self.hosted, self.url)
 
     @staticmethod
     def check_resources(
-        remote_url: str | None = None,
-        remote_rewards: Mapping[str, float] | Sequence[str] | str | None = None,
-        remote_timeout_s: float = 300.0,
-        remote_retries: int = 3,
-        remote_backoff_s: float = 0.5,
-        remote_token: str | None = None,
+        url: str | None = None,
+        rewards: Mapping[str, float] | Sequence[str] | str | None = None,
+        timeout_s: float = 300.0,
+        retries: int = 3,
+        backoff_s: float = 0.5,
+        token: str | None = None,
         **_: object,
     ) -> list[str]:
         """The dry run's and trainer's check before any weights load: :func:`check_reward_server`."""
-        return check_reward_server(
-            remote_url, remote_rewards, remote_token, remote_timeout_s, remote_retries, remote_backoff_s
-        )
+        return check_reward_server(url, rewards, token, timeout_s, retries, backoff_s)
 
     def stats(self) -> dict[str, int]:
         """Counters since construction: ``num_requests``, ``num_retries``, ``num_samples`` (scored)."""

@@ -4,7 +4,7 @@
     python -m miles.rewards.serve --rewards pickscore --host 0.0.0.0 --port 8765 --replicas 4 \\
         --device cuda --max-batch-size 8 --pickscore-path /ckpt/PickScore_v1 --num-frames 4
     MILES_REWARD_TOKEN=... python -m miles.rewards.serve --rewards hpsv2 --host 0.0.0.0 \\
-        --reward-option hps_path=/ckpt/HPSv2 --reward-option hps_processor_path=/ckpt/CLIP-ViT-H-14
+        --reward-option hpsv2.model_path=/ckpt/HPSv2 --reward-option hpsv2.processor_path=/ckpt/CLIP-ViT-H-14
 
 The default engine is Ray Serve (:mod:`miles.rewards.serve_ray`): ``--replicas`` copies of the
 rewards (each with ``--cpus-per-replica`` and, with ``--device cuda``, ``--gpus-per-replica``),
@@ -40,7 +40,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import yaml
 
 from miles.rewards.base import Reward
-from miles.rewards.registry import _REGISTRY, _accepted_options, check_resources, registered_rewards
+from miles.rewards.registry import check_options, check_resources, registered_rewards
 from miles.rewards.remote import TOKEN_ENV, WIRE_VERSION
 from miles.rewards.serve_common import (
     DEFAULT_MAX_REQUEST_MB,
@@ -191,16 +191,23 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--token", default=None, help=f"shared token (prefer ${TOKEN_ENV}: argv is visible)")
     p.add_argument("--max-request-mb", type=float, default=DEFAULT_MAX_REQUEST_MB, help="body size limit")
     p.add_argument("--num-frames", type=int, default=None, help="reward num_frames (default: each reward's)")
-    p.add_argument("--pickscore-path", default=None, help="local PickScore_v1 folder (pickscore)")
-    p.add_argument("--pickscore-processor-path", default=None, help="local CLIP processor folder (pickscore)")
+    p.add_argument(
+        "--pickscore-path", default=None, help="local PickScore_v1 folder (reward.pickscore.model_path)"
+    )
+    p.add_argument(
+        "--pickscore-processor-path",
+        default=None,
+        help="local CLIP processor folder (reward.pickscore.processor_path)",
+    )
     p.add_argument("--device", default=None, help="reward device: cpu (default) or cuda (cuda:N: threading)")
     p.add_argument("--dtype", default=None, help="dtype of reward models, e.g. bfloat16")
     p.add_argument(
         "--reward-option",
         action="append",
         default=[],
-        metavar="KEY=VALUE",
-        help="any other reward option (a reward.* config field), e.g. hps_path=/ckpt/HPSv2 (YAML value)",
+        metavar="NAME.KEY=VALUE",
+        help="any other reward option, as its config key reward.NAME.KEY, e.g. hpsv2.model_path=/ckpt/HPSv2 "
+        "(a YAML value); a KEY without NAME is a common argument (num_frames, device, dtype)",
     )
     p.add_argument("--cache-size", type=int, default=1024, help="answers kept for retried request ids")
     p.add_argument("--fault-drop-first", type=int, default=0, help="TEST ONLY: lose the first N answers")
@@ -209,21 +216,22 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _reward_options(args: argparse.Namespace) -> dict:
-    """The ``build_rewards`` options of the command line; ValueError for a malformed one."""
-    options = {
-        "num_frames": args.num_frames,
-        "pickscore_path": args.pickscore_path,
-        "pickscore_processor_path": args.pickscore_processor_path,
-        "device": args.device,
-        "dtype": args.dtype,
-    }
-    options = {k: v for k, v in options.items() if v is not None}
+    """The ``build_rewards`` keyword arguments of the command line: ``options`` (reward name -> its
+    options) and the common arguments; ValueError for a malformed one."""
+    common = {"num_frames": args.num_frames, "device": args.device, "dtype": args.dtype}
+    common = {k: v for k, v in common.items() if v is not None}
+    pickscore = {"model_path": args.pickscore_path, "processor_path": args.pickscore_processor_path}
+    options: dict[str, dict] = {"pickscore": {k: v for k, v in pickscore.items() if v is not None}}
     for item in args.reward_option:
         key, sep, value = item.partition("=")
         if not sep or not key:
-            raise ValueError(f"--reward-option takes KEY=VALUE; got {item!r}")
-        options[key.strip().replace("-", "_")] = yaml.safe_load(value)
-    return options
+            raise ValueError(f"--reward-option takes NAME.KEY=VALUE; got {item!r}")
+        name, dot, option = key.strip().replace("-", "_").rpartition(".")
+        if dot:
+            options.setdefault(name, {})[option] = yaml.safe_load(value)
+        else:
+            common[option] = yaml.safe_load(value)
+    return {"options": {name: given for name, given in options.items() if given}, **common}
 
 
 def _check_args(args: argparse.Namespace, names: list[str]) -> None:
@@ -241,11 +249,9 @@ def _check_args(args: argparse.Namespace, names: list[str]) -> None:
 
 
 def _check_options(options: dict) -> None:
-    """Refuse an option no reward takes here, not in every replica."""
-    known = set().union(*(_accepted_options(f) for f in _REGISTRY.values()))
-    unknown = sorted(set(options) - known)
-    if unknown:
-        raise ValueError(f"unknown reward option(s) {unknown}; options the rewards take: {sorted(known)}")
+    """Refuse an unknown reward, option or common argument here, not in every replica."""
+    kwargs = dict(options)
+    check_options(kwargs.pop("options", None), kwargs)
 
 
 def _serve_threading(args: argparse.Namespace, names: list[str], options: dict) -> int:

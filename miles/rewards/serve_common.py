@@ -69,7 +69,7 @@ def check_auth(authorization: str | None, token: str | None) -> None:
         what = "no token" if not authorization else "a wrong token"
         raise RequestError(
             f"this reward server needs its token; the request carried {what} "
-            f"(set ${TOKEN_ENV} for the trainer, or reward remote_token)",
+            f"(set ${TOKEN_ENV} for the trainer, or reward.remote.token)",
             status=401,
         )
 
@@ -87,8 +87,8 @@ def check_length(content_length: str | None, max_bytes: int) -> int:
 def too_large(length: int, max_bytes: int) -> str:
     return (
         f"the request body is {length} bytes, over this server's limit of {max_bytes} "
-        "(--max-request-mb); send fewer videos per request (reward.remote_batch_size) or fewer "
-        "frames (reward.remote_num_frames)"
+        "(--max-request-mb); send fewer videos per request (reward.remote.batch_size) or fewer "
+        "frames (reward.remote.num_frames)"
     )
 
 

@@ -3,7 +3,7 @@
 ``tiny_clip(path)`` writes a ``CLIPModel`` (hidden 32, 2 layers, 2 heads, 32x32 images in 8x8
 patches, projection 16; fixed seed) and a ``CLIPProcessor`` whose byte-level BPE tokenizer is
 built in place (no download, no merges: one token per byte) with ``save_pretrained``, so it
-loads back through ``reward.pickscore_path`` exactly like a copy of PickScore_v1. Scores are
+loads back through ``reward.pickscore.model_path`` exactly like a copy of PickScore_v1. Scores are
 meaningless; the plumbing is real.
 
     python -m miles.rewards.tiny_clip runs/tiny_clip

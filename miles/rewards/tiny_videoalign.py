@@ -1,4 +1,4 @@
-"""A tiny random VideoAlign-style reward model saved in the layout ``reward.videoalign_path`` loads.
+"""A tiny random VideoAlign-style reward model saved in the layout ``reward.videoalign.model_path`` loads.
 
 ``tiny_videoalign(path)`` writes a Qwen2-VL (2 text layers of 32, 2 vision blocks of 32, patch 14,
 merge 2, temporal patch 2; fixed seed) with a random ``rm_head``, a byte-level BPE tokenizer with

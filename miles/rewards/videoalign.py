@@ -5,16 +5,16 @@ special tokens in the question, ``<|VQ_reward|>``, ``<|MQ_reward|>``, ``<|TA_rew
 Qwen2-VL over the video and the question, applies ``rm_head`` (Linear(hidden, 3), no bias) to the
 last hidden state at those three positions and keeps the diagonal: visual quality (VQ), motion
 quality (MQ) and text alignment (TA). Each is standardised with VideoReward's published means and
-stds; ``overall`` is their sum. ``reward.videoalign_dimension`` picks what the reward returns.
+stds; ``overall`` is their sum. ``reward.videoalign.dimension`` picks what the reward returns.
 
-The video goes in as Qwen2-VL video patches: ``videoalign_num_frames`` frames sampled uniformly
+The video goes in as Qwen2-VL video patches: ``reward.videoalign.num_frames`` frames sampled uniformly
 (the last repeated to an even count), resized with ``smart_resize`` to a multiple of 28 within
-``videoalign_max_pixels`` (bicubic), scaled to [0, 1], normalised with the folder's
+``max_pixels`` (bicubic), scaled to [0, 1], normalised with the folder's
 ``image_mean``/``image_std``, and cut into (2 x 14 x 14) patches as Qwen2VLImageProcessor does.
 This is done here because transformers' video processor needs torchvision, which has no wheel
 for this project's CPU torch. One video is scored per forward (no padding).
 
-Weights: ``reward.videoalign_path`` is a save_pretrained folder of the reward model: a
+Weights: ``reward.videoalign.model_path`` is a save_pretrained folder of the reward model: a
 ``Qwen2VLForConditionalGeneration`` checkpoint whose state dict also holds ``rm_head.weight``
 (3, hidden), its tokenizer with the three special tokens, and ``preprocessor_config.json``;
 built from ``KwaiVGI/VideoReward`` (on ``Qwen/Qwen2-VL-2B-Instruct``). Departure: the question
@@ -24,10 +24,12 @@ weights under this wording.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
 from collections.abc import Sequence
+from typing import ClassVar, Literal
 
 import numpy as np
 import torch
@@ -89,7 +91,24 @@ def reward_model_class() -> type:
     return Qwen2VLRewardModel
 
 
-@register_reward("videoalign")
+@dataclasses.dataclass(kw_only=True)
+class VideoAlignOptions:
+    """``videoalign``: a Qwen2-VL reward model with ``rm_head`` (VideoReward's VQ, MQ, TA)."""
+
+    RANGES: ClassVar[dict[str, tuple[str, str]]] = {"num_frames": (">= 1", ""), "max_pixels": (">= 1", "")}
+
+    model_path: str | None = None
+    """Local save_pretrained folder of a Qwen2-VL reward model with ``rm_head`` (KwaiVGI/VideoReward)."""
+    dimension: Literal["overall", "vq", "mq", "ta"] = "overall"
+    """What it returns: standardised visual quality, motion quality, text alignment, or their sum."""
+    num_frames: int = 8
+    """Frames per video fed to Qwen2-VL, sampled uniformly (paired by its temporal patch of 2); this
+    reward's own, not reward.num_frames."""
+    max_pixels: int = 448 * 448
+    """Frames are resized to a multiple of 28 within this many pixels (smart_resize)."""
+
+
+@register_reward("videoalign", options=VideoAlignOptions)
 class VideoAlign(Reward):
     """VideoReward's standardised VQ, MQ, TA (or their sum) of each video."""
 
@@ -97,43 +116,41 @@ class VideoAlign(Reward):
 
     def __init__(
         self,
-        videoalign_path: str | os.PathLike | None = None,
-        videoalign_dimension: str = "overall",
-        videoalign_num_frames: int | None = 8,
-        videoalign_max_pixels: int = 448 * 448,
+        model_path: str | os.PathLike | None = None,
+        dimension: str = "overall",
+        num_frames: int | None = 8,
+        max_pixels: int = 448 * 448,
         device: str | torch.device = "cpu",
         dtype: torch.dtype | str = torch.float32,
     ) -> None:
         from transformers import AutoTokenizer
 
-        if videoalign_dimension not in DIMENSIONS:
-            raise ValueError(
-                f"reward.videoalign_dimension must be one of {DIMENSIONS}; got {videoalign_dimension!r}"
-            )
-        self.dimension, self.num_frames = videoalign_dimension, check_num_frames(videoalign_num_frames)
-        self.max_pixels, self.dtype = int(videoalign_max_pixels), resolve_dtype(dtype)
-        path = self.check_resources(videoalign_path)
+        if dimension not in DIMENSIONS:
+            raise ValueError(f"reward.videoalign.dimension must be one of {DIMENSIONS}; got {dimension!r}")
+        self.dimension, self.num_frames = dimension, check_num_frames(num_frames)
+        self.max_pixels, self.dtype = int(max_pixels), resolve_dtype(dtype)
+        path = self.check_resources(model_path)
         with open(os.path.join(path, "preprocessor_config.json")) as f:
             self.proc = json.load(f)
         self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         ids = self.tokenizer.convert_tokens_to_ids(list(SPECIAL_TOKENS))
         if self.tokenizer.unk_token_id in ids or None in ids:
-            raise ValueError(f"the tokenizer in reward.videoalign_path={path!r} lacks {SPECIAL_TOKENS}")
+            raise ValueError(f"the tokenizer in reward.videoalign.model_path={path!r} lacks {SPECIAL_TOKENS}")
         self.special_ids = torch.tensor(ids)
         model, info = reward_model_class().from_pretrained(
             path, local_files_only=True, output_loading_info=True
         )
         if "rm_head.weight" in info["missing_keys"]:
             raise ValueError(
-                f"reward.videoalign_path={path!r} holds no rm_head.weight: not a {REPO}-style reward model"
+                f"reward.videoalign.model_path={path!r} holds no rm_head.weight: not a {REPO}-style reward model"
             )
         self.model = model.to(device=torch.device(device), dtype=self.dtype).eval().requires_grad_(False)
 
     @staticmethod
-    def check_resources(videoalign_path: str | os.PathLike | None = None, **_: object) -> str:
+    def check_resources(model_path: str | os.PathLike | None = None, **_: object) -> str:
         groups = [("config.json",), ("model.safetensors", "model.safetensors.index.json")]
         groups += [("preprocessor_config.json",), ("tokenizer.json",)]
-        return check_folder(videoalign_path, "reward.videoalign_path", REPO, groups)
+        return check_folder(model_path, "reward.videoalign.model_path", REPO, groups)
 
     @torch.no_grad()
     def scores(self, video: torch.Tensor, prompt: str) -> torch.Tensor:

@@ -1,39 +1,41 @@
 """``vlm_judge``: a vision-language model scores each video through an OpenAI-compatible chat API.
 
     vllm serve Qwen/Qwen2.5-VL-7B-Instruct --port 8001        # or SGLang; or a UnifiedReward model
-    rewards = build_rewards({"vlm_judge": 1.0}, vlm_url="http://127.0.0.1:8001",
-                            vlm_model="Qwen/Qwen2.5-VL-7B-Instruct", vlm_score_range=[1, 5])
+    options = {"url": "http://127.0.0.1:8001", "model": "Qwen/Qwen2.5-VL-7B-Instruct", "score_range": [1, 5]}
+    rewards = build_rewards({"vlm_judge": 1.0}, {"vlm_judge": options})
 
-Per video, ``vlm_num_frames`` frames sampled uniformly in time (``sample_frame_indices``) are
+Per video, ``num_frames`` frames sampled uniformly in time (``sample_frame_indices``) are
 quantised with ``frames_to_uint8`` and sent as base64 PNG ``image_url`` parts, followed by the
-question (``vlm_question``, formatted with ``{prompt}``, ``{lo}``, ``{hi}``, ``{num_frames}``), as
-one ``POST {vlm_url}/v1/chat/completions`` per video at temperature 0; up to ``vlm_concurrency``
+question (``question``, formatted with ``{prompt}``, ``{lo}``, ``{hi}``, ``{num_frames}``), as
+one ``POST {url}/v1/chat/completions`` per video at temperature 0; up to ``concurrency``
 are in flight at once (vLLM and SGLang batch them). The constructor lists ``GET /v1/models`` to
 refuse a missing server or an unknown model before the first rollout.
 
 Score parsing (:func:`parse_score`): the number after the last ``score`` followed by ``:`` or
 ``=`` (case-insensitive: ``Score: 4``, ``Final Score = 3.5``), else an answer that is only a
-number (``4``, ``4.``). It must lie in ``vlm_score_range`` [lo, hi] and maps to
+number (``4``, ``4.``). It must lie in ``score_range`` [lo, hi] and maps to
 ``(s - lo) / (hi - lo)`` in [0, 1]. Any other answer is *unparsable*: it is counted
-(``stats()["num_unparsable"]``, and ``last_unparsable`` for the last call) and ``vlm_unparsable``
+(``stats()["num_unparsable"]``, and ``last_unparsable`` for the last call) and ``unparsable``
 decides the sample's fate: ``error`` (default) raises :class:`RemoteRewardError` quoting the
 answer once the whole batch has been asked; ``min`` scores it 0.0, the bottom of the range (an
 explicit penalty; never NaN, which would stop the trainer).
 
 HTTP failures are handled as in :mod:`miles.rewards.remote`: connection errors, timeouts and
-429/5xx are retried ``vlm_retries`` times with backoff ``vlm_backoff_s * 2**k``; another status or
+429/5xx are retried ``retries`` times with backoff ``backoff_s * 2**k``; another status or
 a malformed answer raises :class:`RemoteRewardError` naming the URL.
 """
 
 from __future__ import annotations
 
 import base64
+import dataclasses
 import io
 import math
 import os
 import re
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import ClassVar, Literal
 
 import numpy as np
 import requests
@@ -52,10 +54,10 @@ DEFAULT_QUESTION = (
     "on a scale from {lo} (worst) to {hi} (best). "
     "Give a one-sentence reason, then end with a line 'Score: N'."
 )
-"""The question asked after the frames when ``vlm_question`` is None."""
+"""The question asked after the frames when ``question`` is None."""
 
 API_KEY_ENV = ("MILES_VLM_API_KEY", "OPENAI_API_KEY")
-"""Environment variables read, in order, for the bearer token when ``vlm_api_key`` is None."""
+"""Environment variables read, in order, for the bearer token when ``api_key`` is None."""
 
 _NUMBER = r"[-+]?\d+(?:\.\d+)?"
 SCORE_PATTERN = re.compile(rf"score\s*[:=]\s*\**\s*({_NUMBER})", re.IGNORECASE)
@@ -95,18 +97,64 @@ def _check_score_range(score_range: Sequence[float]) -> tuple[float, float]:
     )
     if not ok or not all(math.isfinite(x) for x in score_range) or not score_range[0] < score_range[1]:
         raise ValueError(
-            f"reward.vlm_score_range must be [lo, hi] with lo < hi, e.g. [1, 5]; got {score_range!r}"
+            f"reward.vlm_judge.score_range must be [lo, hi] with lo < hi, e.g. [1, 5]; got {score_range!r}"
         )
     return float(score_range[0]), float(score_range[1])
 
 
 def _check_positive_int(key: str, value: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"reward.{key} must be a positive int; got {value!r}")
+        raise ValueError(f"reward.vlm_judge.{key} must be a positive int; got {value!r}")
     return value
 
 
-@register_reward("vlm_judge")
+@dataclasses.dataclass(kw_only=True)
+class VLMJudgeOptions:
+    """``vlm_judge``: a vision-language model behind an OpenAI-compatible API rates each video."""
+
+    RANGES: ClassVar[dict[str, tuple[str, str]]] = {
+        "num_frames": (">= 1", ""),
+        "score_range": ("any", ""),
+        "timeout_s": ("> 0", ""),
+        "retries": (">= 0", ""),
+        "backoff_s": (">= 0", ""),
+        "concurrency": (">= 1", ""),
+        "max_tokens": (">= 1", ""),
+    }
+
+    url: str | None = None
+    """OpenAI-compatible server (vLLM, SGLang): POST {url}/v1/chat/completions."""
+    model: str | None = None
+    """The served model name; None: the only model the server lists."""
+    api_key: str | None = None
+    """Bearer token; None: $MILES_VLM_API_KEY or $OPENAI_API_KEY (prefer these: the config is saved in
+    the run directory)."""
+    question: str | None = None
+    """Question after the frames, with {prompt} (and {lo}, {hi}, {num_frames}); None:
+    miles.rewards.vlm_judge.DEFAULT_QUESTION, which asks for a final 'Score: N'."""
+    num_frames: int = 4
+    """Frames per video sent to the judge, sampled uniformly (this reward's own, not reward.num_frames)."""
+    score_range: list[float] = dataclasses.field(default_factory=lambda: [1.0, 5.0])
+    """[lo, hi] of the judge's scale; a score s maps to (s - lo) / (hi - lo)."""
+    unparsable: Literal["error", "min"] = "error"
+    """An answer without a score in range raises (error) or scores 0 (min); both count it."""
+    timeout_s: float = 120.0
+    """Seconds to wait for one answer."""
+    retries: int = 3
+    """Retries of a request after a connection error, timeout or HTTP 429/5xx."""
+    backoff_s: float = 1.0
+    """Wait before the first retry, doubled for each further one."""
+    concurrency: int = 8
+    """Requests in flight at once (one video each; the server batches them)."""
+    max_tokens: int = 512
+    """The answer's token limit (room for a short reason before the score)."""
+
+    def check(self) -> None:
+        """What the config refuses before any server is asked (ValueError naming the key)."""
+        _check_score_range(self.score_range)
+
+
+@register_reward("vlm_judge", options=VLMJudgeOptions)
 class VLMJudge(Reward):
     """A VLM's rating of each video against its prompt, from sampled frames, mapped to [0, 1]."""
 
@@ -114,39 +162,39 @@ class VLMJudge(Reward):
 
     def __init__(
         self,
-        vlm_url: str | None = None,
-        vlm_model: str | None = None,
-        vlm_api_key: str | None = None,
-        vlm_question: str | None = None,
-        vlm_num_frames: int = 4,
-        vlm_score_range: Sequence[float] = (1.0, 5.0),
-        vlm_unparsable: str = "error",
-        vlm_timeout_s: float = 120.0,
-        vlm_retries: int = 3,
-        vlm_backoff_s: float = 1.0,
-        vlm_concurrency: int = 8,
-        vlm_max_tokens: int = 512,
+        url: str | None = None,
+        model: str | None = None,
+        api_key: str | None = None,
+        question: str | None = None,
+        num_frames: int = 4,
+        score_range: Sequence[float] = (1.0, 5.0),
+        unparsable: str = "error",
+        timeout_s: float = 120.0,
+        retries: int = 3,
+        backoff_s: float = 1.0,
+        concurrency: int = 8,
+        max_tokens: int = 512,
     ) -> None:
-        base = check_http_options("vlm", vlm_url, vlm_timeout_s, vlm_retries, vlm_backoff_s)
+        base = check_http_options("vlm_judge", url, timeout_s, retries, backoff_s)
         self.url = base.removesuffix("/v1")
-        self.lo, self.hi = _check_score_range(vlm_score_range)
-        self.num_frames = _check_positive_int("vlm_num_frames", check_num_frames(vlm_num_frames))
-        self.concurrency = _check_positive_int("vlm_concurrency", vlm_concurrency)
-        self.max_tokens = _check_positive_int("vlm_max_tokens", vlm_max_tokens)
-        if vlm_unparsable not in ("error", "min"):
-            raise ValueError(f"reward.vlm_unparsable must be 'error' or 'min'; got {vlm_unparsable!r}")
-        self.unparsable = vlm_unparsable
-        self.question = DEFAULT_QUESTION if vlm_question is None else vlm_question
+        self.lo, self.hi = _check_score_range(score_range)
+        self.num_frames = _check_positive_int("num_frames", check_num_frames(num_frames))
+        self.concurrency = _check_positive_int("concurrency", concurrency)
+        self.max_tokens = _check_positive_int("max_tokens", max_tokens)
+        if unparsable not in ("error", "min"):
+            raise ValueError(f"reward.vlm_judge.unparsable must be 'error' or 'min'; got {unparsable!r}")
+        self.unparsable = unparsable
+        self.question = DEFAULT_QUESTION if question is None else question
         if "{prompt}" not in self.question:
-            raise ValueError(f"reward.vlm_question must contain {{prompt}}; got {self.question!r}")
+            raise ValueError(f"reward.vlm_judge.question must contain {{prompt}}; got {self.question!r}")
         try:
             self._question("x")
         except (KeyError, IndexError, ValueError) as e:
             raise ValueError(
-                f"reward.vlm_question may use only {{prompt}}, {{lo}}, {{hi}}, {{num_frames}} "
+                f"reward.vlm_judge.question may use only {{prompt}}, {{lo}}, {{hi}}, {{num_frames}} "
                 f"(double other braces); formatting it failed: {e!r}"
             ) from e
-        api_key = vlm_api_key or next((os.environ[k] for k in API_KEY_ENV if os.environ.get(k)), None)
+        api_key = api_key or next((os.environ[k] for k in API_KEY_ENV if os.environ.get(k)), None)
         session = requests.Session()  # thread-safe for plain requests (no cookies are used)
         adapter = HTTPAdapter(pool_maxsize=self.concurrency)
         session.mount("http://", adapter)
@@ -155,16 +203,16 @@ class VLMJudge(Reward):
             session.headers["Authorization"] = f"Bearer {api_key}"
         self.http = HttpClient(
             session,
-            timeout_s=vlm_timeout_s,
-            retries=vlm_retries,
-            backoff_s=vlm_backoff_s,
+            timeout_s=timeout_s,
+            retries=retries,
+            backoff_s=backoff_s,
             counters=("num_requests", "num_retries", "num_unparsable"),
         )
         self.last_unparsable = 0
-        """Unparsable answers in the last call (``vlm_unparsable`` says what they scored)."""
+        """Unparsable answers in the last call (``unparsable`` says what they scored)."""
         self.last_answers: list[str] = []
         """The judge's raw answers in the last call, one per video."""
-        self.model = self._check_model(vlm_model)
+        self.model = self._check_model(model)
 
     def _question(self, prompt: str) -> str:
         return self.question.format(
@@ -180,14 +228,14 @@ class VLMJudge(Reward):
         except (RemoteRewardError, ValueError, KeyError, TypeError) as e:
             raise ValueError(
                 f"no OpenAI-compatible server answers GET {url} ({e}). Start the VLM server first "
-                f"(e.g. vllm serve MODEL --port PORT) and set reward.vlm_url to its base URL."
+                f"(e.g. vllm serve MODEL --port PORT) and set reward.vlm_judge.url to its base URL."
             ) from e
         if model is None:
             if len(served) != 1:
-                raise ValueError(f"{url} serves {served}: set reward.vlm_model to one of them")
+                raise ValueError(f"{url} serves {served}: set reward.vlm_judge.model to one of them")
             return served[0]
         if model not in served:
-            raise ValueError(f"reward.vlm_model={model!r} is not served at {url}; it serves {served}")
+            raise ValueError(f"reward.vlm_judge.model={model!r} is not served at {url}; it serves {served}")
         return model
 
     def stats(self) -> dict[str, int]:
@@ -235,10 +283,10 @@ class VLMJudge(Reward):
             raise RemoteRewardError(
                 f"the VLM judge at {self.url} gave {len(bad)} unparsable answer(s) of {len(answers)} "
                 f"(no 'Score: N' with N in [{self.lo:g}, {self.hi:g}]); the first, for prompt "
-                f"{prompts[i]!r}: {answers[i][:300]!r}. Fix reward.vlm_question or vlm_score_range, or set "
-                "reward.vlm_unparsable: min to score such answers 0"
+                f"{prompts[i]!r}: {answers[i][:300]!r}. Fix reward.vlm_judge.question or score_range, or set "
+                "reward.vlm_judge.unparsable: min to score such answers 0"
             )
-        scores = [0.0 if s is None else s for s in parsed]  # vlm_unparsable min: the range's bottom
+        scores = [0.0 if s is None else s for s in parsed]  # unparsable min: the range's bottom
         return torch.tensor(scores, dtype=torch.float32, device=videos.device)
 
     def __repr__(self) -> str:

@@ -32,7 +32,6 @@ loads (they are left unread).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -46,8 +45,18 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+# The checks that need no process group live a floor down (``python -m miles.eval`` uses them too);
+# read_digests and verify_checkpoint are re-exported for the trainer's callers.
+from miles.files import (  # noqa: F401
+    DIGESTS,
+    checkpoint_problem,
+    digest_problem,
+    file_sha256,
+    read_digests,
+    verify_checkpoint,
+)
+
 _NAME = re.compile(r"^step_(\d{6,})$")
-DIGESTS = "SHA256SUMS"  # sha256sum's format: "<hex>  <file name>" per line
 
 # Trainable parameters only; strict=False on load because the frozen ones are absent by design
 # (DCP itself raises for a trainable parameter the checkpoint lacks).
@@ -142,15 +151,6 @@ def _prepare(root: Path, final: Path) -> None:
         shutil.rmtree(final)
 
 
-def file_sha256(path: Path) -> str:
-    """sha256 of the file at ``path``, read in 8 MiB chunks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(8 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _own_digests(partial: Path, rank: int) -> dict[str, str]:
     """The sha256 of the shard files this rank wrote (DCP names them ``__<rank>_<i>.distcp``)."""
     return {p.name: file_sha256(p) for p in sorted(partial.glob(f"__{rank}_*.distcp"))}
@@ -227,76 +227,6 @@ def save_checkpoint(
             shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return final
-
-
-def checkpoint_problem(path: Path) -> str | None:
-    """Why the complete checkpoint at ``path`` cannot be loaded, or None when it looks whole: an
-    unreadable ``trainer.json`` or ``.metadata``, or a shard missing or shorter than the metadata says
-    (a copy or a disk that cut it short). Reads only file sizes and the metadata."""
-    try:
-        json.loads((path / "trainer.json").read_text())
-        meta = dcp.FileSystemReader(str(path)).read_metadata()
-    except Exception as e:  # noqa: BLE001 - any unreadable metadata makes the checkpoint unusable
-        return f"its metadata cannot be read ({type(e).__name__}: {e})"
-    need: dict[str, int] = {}
-    for info in meta.storage_data.values():
-        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
-    for name, size in sorted(need.items()):
-        shard = path / name
-        if not shard.is_file():
-            return f"its shard {name} is missing"
-        if (have := shard.stat().st_size) < size:
-            return f"its shard {name} is truncated ({have} bytes; the metadata needs {size})"
-    return None
-
-
-def read_digests(path: Path) -> dict[str, str] | None:
-    """File name -> sha256 recorded in the checkpoint's ``SHA256SUMS`` (None: saved without one)."""
-    try:
-        text = (Path(path) / DIGESTS).read_text()
-    except FileNotFoundError:
-        return None
-    digests = {}
-    for line in text.splitlines():
-        digest, sep, name = line.partition("  ")
-        if not sep or len(digest) != 64:
-            raise ValueError(f"{Path(path) / DIGESTS} is malformed (line {line!r})")
-        digests[name] = digest
-    return digests
-
-
-def digest_problem(path: Path, rank: int = 0, world_size: int = 1) -> str | None:
-    """Whether the files of the checkpoint at ``path`` still have the sha256 recorded when it was
-    saved: None when they do (or it has no ``SHA256SUMS``), else the first file that differs. This
-    rank checks every ``world_size``-th file from ``rank`` on (the ranks share the reading)."""
-    path = Path(path)
-    try:
-        digests = read_digests(path)
-    except (OSError, ValueError) as e:
-        return f"its {DIGESTS} cannot be read ({e})"
-    if digests is None:
-        return None
-    for name in sorted(digests)[rank::world_size]:
-        file = path / name
-        if not file.is_file():
-            return f"its file {name} is missing"
-        if file_sha256(file) != digests[name]:
-            return (
-                f"its file {name} does not match the sha256 recorded when it was saved (its bytes "
-                "changed after the save: a disk or copy error, or an edit)"
-            )
-    return None
-
-
-def verify_checkpoint(path: Path) -> None:
-    """Raise ``ValueError`` naming the file when the checkpoint at ``path`` is incomplete, cut short
-    or its bytes differ from those saved (one process reads every file)."""
-    path = Path(path)
-    if not (path / "COMPLETE").is_file():
-        raise ValueError(f"{path} is not a complete checkpoint (no COMPLETE marker)")
-    problem = checkpoint_problem(path) or digest_problem(path)
-    if problem:
-        raise ValueError(f"the checkpoint {path} is corrupt: {problem}; use another checkpoint of the run")
 
 
 def last_good_checkpoint(run_dir: Path) -> Path | None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import secrets
 import sys
 import time
@@ -17,13 +16,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
-
-def rank() -> int:
-    return (
-        dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", 0))
-    )
+# rank-aware console helpers live a floor down (``python -m miles.eval`` uses them too); re-exported here
+from miles.console import configure_library_progress, rank, show_progress  # noqa: F401
 
 
 def print0(*args, sep: str = " ", file=None) -> None:
@@ -33,22 +28,6 @@ def print0(*args, sep: str = " ", file=None) -> None:
 
         tqdm.write(sep.join(str(a) for a in args), file=file or sys.stdout)
         (file or sys.stdout).flush()
-
-
-def show_progress(enabled: bool = True) -> bool:
-    """Whether this process draws progress bars: rank 0 only, and only on a terminal (in a log file
-    a bar is a stream of carriage returns and escape codes)."""
-    return enabled and rank() == 0 and sys.stderr.isatty()
-
-
-def configure_library_progress(show: bool) -> None:
-    """The loading and saving bars of diffusers and transformers ("Loading pipeline components",
-    "Loading weights", "Writing model shards"): on where ``show``, else off."""
-    import diffusers.utils.logging as diffusers_logging
-    import transformers.utils.logging as transformers_logging
-
-    for lib in (diffusers_logging, transformers_logging):
-        (lib.enable_progress_bar if show else lib.disable_progress_bar)()
 
 
 def _scalar(v):

@@ -262,9 +262,9 @@ def _check_image_rewards(cfg: Config, image_to_video: bool) -> None:
     """The trainer's refusal of a reward that scores against the given first frame (``needs_images``)
     in a text-to-video run."""
     import miles.rewards  # noqa: F401 (registers the built-in rewards)
-    from miles.rewards.registry import _REGISTRY
+    from miles.rewards.registry import needs_images, registered_rewards
 
-    needs = [n for n in cfg.reward.weights if getattr(_REGISTRY.get(n), "needs_images", False)]
+    needs = [n for n in cfg.reward.weights if n in registered_rewards() and needs_images(n)]
     if needs and not image_to_video:
         raise ValueError(
             f"reward.weights {sorted(cfg.reward.weights)}: a reward scores against each sample's given "

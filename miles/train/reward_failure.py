@@ -70,6 +70,6 @@ def reward_failed(error: str, step: int, checkpoint: Path | None) -> RewardFaile
     )
     return RewardFailed(
         f"the reward could not be scored ({error}); {kept}. Start the reward server again (or raise "
-        f"reward.remote_retries / reward.remote_backoff_s to wait longer), then resume with the same "
+        f"reward.remote.retries / reward.remote.backoff_s to wait longer), then resume with the same "
         f"command: {resume_command(sys.argv[1:])}"
     )

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from miles.files import check_writable
+
 LOCK_NAME = ".launch.lock"
 # Locks this process holds (a second Trainer in one process, as in tests, reuses its own lock).
 _HELD: dict[Path, RunDirLock] = {}
@@ -88,32 +90,6 @@ def check_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> None:
             "start the new run in its own directory (--run.name NEW_NAME), or replace the previous run "
             "(--train.overwrite deletes its checkpoints, metrics, export, samples, eval and wandb files)"
         )
-
-
-def check_writable(run_dir: Path, what: str = "") -> None:
-    """Raise ``ValueError`` unless this process may write into ``run_dir`` (or create it): a read-only
-    disk found now costs nothing, found at the first checkpoint it costs the training until then.
-    ``what``: the flag that named another output folder (e.g. ``--out``), for the message."""
-    run_dir = Path(run_dir)
-    if run_dir.exists() and not run_dir.is_dir():
-        raise ValueError(f"{what or 'the run directory'} {run_dir} is a file; choose a folder")
-    targets = [p for p in (run_dir, run_dir / "checkpoints") if p.is_dir()]
-    if not targets:  # not created yet: the nearest folder above it must take it
-        targets = [next(p for p in run_dir.absolute().parents if p.exists())]
-    for path in targets:
-        if not path.is_dir():
-            raise ValueError(f"{path} is a file, so {run_dir} cannot be created; choose another folder")
-        if not os.access(path, os.W_OK | os.X_OK):
-            fix = f"set {what} to a writable folder" if what else "set --run.output-dir to a writable folder"
-            raise ValueError(
-                f"{path} is not writable (a read-only disk or folder), so "
-                + (
-                    f"{what} {run_dir} cannot be written: "
-                    if what
-                    else "the run cannot save its checkpoints: "
-                )
-                + f"{fix}, or fix the permissions"
-            )
 
 
 def _holder(lock: Path) -> str:

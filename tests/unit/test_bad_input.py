@@ -165,8 +165,8 @@ def _trainer_error(tmp_path: Path, case: str) -> tuple[list[str], list[str]]:
     if case == "model_path_missing":
         return ["--model.path", str(tmp_path / "nowhere")], ["is not a folder", "diffusers Wan folder"]
     if case == "reward_weights_missing":
-        # The flag adds pickscore to the recipe's rewards; there is no reward.pickscore_path.
-        return ["--reward.weights.pickscore", "1"], ["set reward.pickscore_path to a local folder"]
+        # The flag adds pickscore to the recipe's rewards; there is no reward.pickscore.model_path.
+        return ["--reward.weights.pickscore", "1"], ["set reward.pickscore.model_path to a local folder"]
     if case == "image_reward_for_text_model":
         return ["--reward.weights.world_i2v", "1"], ["given first frame", "model is text-to-video"]
     if case == "empty_prompt_file":

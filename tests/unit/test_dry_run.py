@@ -338,10 +338,10 @@ def _dry_input_case(tmp_path: Path, case: str) -> tuple[list[str], str]:
     if case == "unknown_reward":
         return ["--reward.weights.sharpnes", "1"], "reward.weights names an unknown reward 'sharpnes'"
     if case == "reward_without_its_model":
-        return ["--reward.weights.pickscore", "1"], "set reward.pickscore_path to a local folder"
+        return ["--reward.weights.pickscore", "1"], "set reward.pickscore.model_path to a local folder"
     if case == "gold_reward_without_its_weights":
-        flags = ["--reward.gold", "hpsv2", "--reward.hps-processor-path", str(tmp_path)]
-        return flags, "set reward.hps_path to a local file or folder: download HPS_v2.1_compressed.pt"
+        flags = ["--reward.gold", "hpsv2", "--reward.hpsv2.processor-path", str(tmp_path)]
+        return flags, "set reward.hpsv2.model_path to a local file or folder: download HPS_v2.1_compressed.pt"
     if case == "normalize_an_untrained_reward":
         return ["--reward.normalize", "sharpness", "group"], "reward.normalize names 'sharpness'"
     if case == "image_reward_for_text_model":

@@ -87,7 +87,9 @@ def test_clipscore_matches_reference(clip_dir, flipped_clip_dir):
     videos, pixels = videos_and_pixels(0)
     scores, coses = [], []
     for path in (clip_dir, flipped_clip_dir):
-        score = build_rewards({"clipscore": 1.0}, clipscore_path=path).rewards["clipscore"](videos, PROMPTS)
+        score = build_rewards({"clipscore": 1.0}, {"clipscore": {"model_path": path}}).rewards["clipscore"](
+            videos, PROMPTS
+        )
         image, text = hf_embeddings(path, pixels, PROMPTS)
         cos = torch.einsum("bkd,bd->bk", image, text)
         reference = (2.5 * cos.clamp(min=0)).mean(dim=1)
@@ -117,7 +119,7 @@ def test_aesthetic_matches_reference(clip_dir, tmp_path):
         head[f"layers.{i}.bias"] = torch.randn(b) * 0.1
     torch.save(head, tmp_path / "sac+logos+ava1-l14-linearMSE.pth")
     videos, pixels = videos_and_pixels(1)
-    reward = build_rewards({"aesthetic": 1.0}, aesthetic_clip_path=clip_dir, aesthetic_head_path=tmp_path)
+    reward = build_rewards({"aesthetic": 1.0}, {"aesthetic": {"clip_path": clip_dir, "head_path": tmp_path}})
     score = reward.rewards["aesthetic"](videos, PROMPTS)
 
     image, _ = hf_embeddings(clip_dir, pixels, PROMPTS)
@@ -222,7 +224,8 @@ def test_hpsv2_loads_open_clip_checkpoint_and_matches_reference(clip_dir, tmp_pa
     torch.save({"state_dict": sd}, tmp_path / "HPS_v2.1_compressed.pt")
 
     videos, pixels = videos_and_pixels(2)
-    reward = build_rewards({"hpsv2": 1.0}, hps_path=tmp_path, hps_processor_path=arch).rewards["hpsv2"]
+    reward = build_rewards({"hpsv2": 1.0}, {"hpsv2": {"model_path": tmp_path, "processor_path": arch}})
+    reward = reward.rewards["hpsv2"]
     score = reward(videos, PROMPTS)
 
     tokenizer = CLIPTokenizer.from_pretrained(arch)
@@ -234,7 +237,7 @@ def test_hpsv2_loads_open_clip_checkpoint_and_matches_reference(clip_dir, tmp_pa
 
     torch.save({"state_dict": {**sd, "visual.extra": torch.zeros(1)}}, tmp_path / "HPS_v2.1_compressed.pt")
     with pytest.raises(ValueError, match="unexpected OpenCLIP tensor visual.extra"):
-        build_rewards({"hpsv2": 1.0}, hps_path=tmp_path, hps_processor_path=arch)
+        build_rewards({"hpsv2": 1.0}, {"hpsv2": {"model_path": tmp_path, "processor_path": arch}})
 
 
 # --- missing weights are refused before anything loads, naming the repo --------------------------
@@ -243,11 +246,15 @@ def test_hpsv2_loads_open_clip_checkpoint_and_matches_reference(clip_dir, tmp_pa
 @pytest.mark.parametrize(
     "weights, options, match",
     [
-        ({"clipscore": 1.0}, {}, r"set reward\.clipscore_path .*openai/clip-vit-base-patch32"),
-        ({"hpsv2": 1.0}, {"hps_processor_path": "CLIP"}, r"set reward\.hps_path .*xswu/HPSv2"),
-        ({"hpsv2": 1.0}, {"hps_path": "NOPE"}, r"reward\.hps_path='.*nope' does not exist.*xswu/HPSv2"),
-        ({"aesthetic": 1.0}, {"aesthetic_clip_path": "CLIP"}, r"aesthetic_head_path.*improved-aesthetic"),
-        ({"aesthetic": 1.0}, {"aesthetic_head_path": "x"}, r"aesthetic_clip_path.*openai/clip-vit-large"),
+        ({"clipscore": 1.0}, {}, r"set reward\.clipscore\.model_path .*openai/clip-vit-base-patch32"),
+        ({"hpsv2": 1.0}, {"processor_path": "CLIP"}, r"set reward\.hpsv2\.model_path .*xswu/HPSv2"),
+        (
+            {"hpsv2": 1.0},
+            {"model_path": "NOPE"},
+            r"reward\.hpsv2\.model_path='.*nope' does not exist.*xswu/HPSv2",
+        ),
+        ({"aesthetic": 1.0}, {"clip_path": "CLIP"}, r"aesthetic\.head_path.*improved-aesthetic"),
+        ({"aesthetic": 1.0}, {"head_path": "x"}, r"aesthetic\.clip_path.*openai/clip-vit-large"),
     ],
 )
 def test_missing_weights_are_refused_before_loading(clip_dir, tmp_path, monkeypatch, weights, options, match):
@@ -260,14 +267,19 @@ def test_missing_weights_are_refused_before_loading(clip_dir, tmp_path, monkeypa
     monkeypatch.setattr(transformers.CLIPProcessor, "from_pretrained", no_loading)
     resolved = {k: {"CLIP": clip_dir, "NOPE": str(tmp_path / "nope")}.get(v, v) for k, v in options.items()}
     with pytest.raises(ValueError, match=match):
-        build_rewards({"jpeg_incompressibility": 1.0, **weights}, **resolved)
+        build_rewards({"jpeg_incompressibility": 1.0, **weights}, {name: resolved for name in weights})
 
 
 def test_dry_run_check_refuses_missing_gold_weights(tmp_path):
     from miles.config import RewardConfig
+    from miles.rewards.clipscore import CLIPScoreOptions
 
-    with pytest.raises(ValueError, match=r"reward\.clipscore_path=.* holds no config\.json.*clip-vit-base"):
-        check_reward_config(RewardConfig(gold=["clipscore"], clipscore_path=str(tmp_path)))
+    with pytest.raises(
+        ValueError, match=r"reward\.clipscore\.model_path=.* holds no config\.json.*clip-vit-base"
+    ):
+        check_reward_config(
+            RewardConfig(gold=["clipscore"], clipscore=CLIPScoreOptions(model_path=str(tmp_path)))
+        )
 
 
 # --- VideoAlign-style (Qwen2-VL + rm_head) -----------------------------------------------------
@@ -310,14 +322,12 @@ def test_videoalign_matches_reference(videoalign_dir):
 
     torch.manual_seed(5)
     videos, prompts = torch.rand(2, 9, 3, 40, 48), ["a red ball rolls left", "snow"]
-    reward = build_rewards({"videoalign": 1.0}, videoalign_path=videoalign_dir, videoalign_num_frames=4)
+    reward = build_rewards(
+        {"videoalign": 1.0}, {"videoalign": {"model_path": videoalign_dir, "num_frames": 4}}
+    )
     score = reward.rewards["videoalign"](videos, prompts)
-    ta = build_rewards(
-        {"videoalign": 1.0},
-        videoalign_path=videoalign_dir,
-        videoalign_num_frames=4,
-        videoalign_dimension="ta",
-    ).rewards["videoalign"](videos, prompts)
+    ta_options = {"model_path": videoalign_dir, "num_frames": 4, "dimension": "ta"}
+    ta = build_rewards({"videoalign": 1.0}, {"videoalign": ta_options}).rewards["videoalign"](videos, prompts)
 
     # the reference: the stock Qwen2-VL (no rm_head) in float64, the head read from the file
     model = Qwen2VLForConditionalGeneration.from_pretrained(videoalign_dir).double().eval()
@@ -354,7 +364,7 @@ def test_videoalign_refuses_a_folder_without_rm_head_or_weights(videoalign_dir, 
 
     from safetensors.torch import load_file, save_file
 
-    with pytest.raises(ValueError, match=r"set reward\.videoalign_path .*KwaiVGI/VideoReward"):
+    with pytest.raises(ValueError, match=r"set reward\.videoalign\.model_path .*KwaiVGI/VideoReward"):
         build_rewards({"videoalign": 1.0})
     headless = tmp_path / "headless"
     shutil.copytree(videoalign_dir, headless)
@@ -362,13 +372,15 @@ def test_videoalign_refuses_a_folder_without_rm_head_or_weights(videoalign_dir, 
     del state["rm_head.weight"]
     save_file(state, str(headless / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ValueError, match="holds no rm_head.weight"):
-        build_rewards({"videoalign": 1.0}, videoalign_path=headless)
+        build_rewards({"videoalign": 1.0}, {"videoalign": {"model_path": headless}})
 
 
 def test_reward_server_passes_any_reward_option(capsys):
     from miles.rewards import serve
 
-    argv = ["--rewards", "clipscore", "--port", "0", "--reward-option", "clipscore_path=/nonexistent/clip"]
+    argv = ["--rewards", "clipscore", "--port", "0", "--reward-option", "clipscore.model_path=/x/clip"]
     assert serve.main(argv) == 2
-    assert "reward.clipscore_path='/nonexistent/clip' is not a folder" in capsys.readouterr().err
+    assert "reward.clipscore.model_path='/x/clip' is not a folder" in capsys.readouterr().err
     assert serve.main(["--rewards", "clipscore", "--reward-option", "no-equals-sign"]) == 2
+    assert serve.main(["--rewards", "clipscore", "--reward-option", "clipscore.modle_path=/x"]) == 2
+    assert "unknown option(s) ['modle_path'] of reward 'clipscore'" in capsys.readouterr().err

@@ -66,7 +66,7 @@ def test_readme_config_only_folders_then_dry_run(tmp_path, monkeypatch, capsys):
     assert train_grpo.main(dry[2:]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: 2 inputs the run would refuse") and "/data/prompts.txt" in err, err
-    assert "reward.pickscore_path='/models/PickScore_v1' is not a folder" in err
+    assert "reward.pickscore.model_path='/models/PickScore_v1' is not a folder" in err
     # With them given as the README says: the plan.
     pickscore = tmp_path / "pickscore"
     pickscore.mkdir()
@@ -74,7 +74,12 @@ def test_readme_config_only_folders_then_dry_run(tmp_path, monkeypatch, capsys):
     for name in ("model.safetensors", "preprocessor_config.json", "tokenizer.json"):
         (pickscore / name).write_bytes(b"")  # the dry run checks the names, it loads nothing
     given = ["--data.prompt-file", str(REPO / "miles" / "data" / "tiny_prompts.txt")]
-    given += ["--reward.pickscore-path", str(pickscore), "--reward.pickscore-processor-path", str(pickscore)]
+    given += [
+        "--reward.pickscore.model-path",
+        str(pickscore),
+        "--reward.pickscore.processor-path",
+        str(pickscore),
+    ]
     assert train_grpo.main([*dry[2:], *given]) == 0, capsys.readouterr().err
     assert "miles dry run" in capsys.readouterr().out
 
@@ -88,7 +93,11 @@ def test_dry_run_lists_every_refused_input_at_once(tmp_path, capsys):
     assert train_grpo.main([*argv, *missing, "--reward.weights.pickscore", "1"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: 3 inputs the run would refuse"), err
-    for text in (f"{tmp_path}/p.txt", f"{tmp_path}/h.txt", "set reward.pickscore_path to a local folder"):
+    for text in (
+        f"{tmp_path}/p.txt",
+        f"{tmp_path}/h.txt",
+        "set reward.pickscore.model_path to a local folder",
+    ):
         assert sum(text in line for line in err.splitlines() if line.startswith("  - ")) == 1, (text, err)
     assert train_grpo.main([*argv, "--data.prompt-file", str(tmp_path / "p.txt")]) == 2
     assert capsys.readouterr().err == f"error: prompt file not found: {tmp_path}/p.txt\n"

@@ -1,7 +1,7 @@
 """The dry run and the real run refuse a bad input alike: the same ``error: ...`` line, exit code 2.
 
 One table of bad inputs — the values the issue found accepted or diagnosed wrongly, a recipe with a
-key given twice, an empty recipe, reward weights all 0, a run name that leaves the output folder, a
+key given twice, an empty recipe, reward weights all 0, a misspelled reward option, a run name that leaves the output folder, a
 broken ``transformer/config.json``, a truncated transformer safetensors — each fed to
 ``train_grpo.main`` twice in this process: with ``--dry-run``, and as the real run's startup (one gloo
 rank, ``Trainer`` construction: it stops at the refusal, before any weights load or rollout). The two
@@ -57,6 +57,11 @@ def _case(tmp_path: Path, case: str) -> tuple[list[str], str]:
     if case == "empty_recipe":
         recipe.write_text("# nothing yet\n")
         return ["--config", str(recipe)], f"{recipe}: the recipe is empty"
+    if case == "reward_option_misspelled":
+        recipe.write_text("reward:\n  weights: {pickscore: 1.0}\n  pickscore:\n    modle_path: /x\n")
+        return ["--config", str(recipe)], (
+            "unknown config key 'reward.pickscore.modle_path'; valid keys here: ['model_path', 'processor_path']"
+        )
     if case == "broken_transformer_config":
         model = _model_copy(tmp_path, "transformer/config.json")
         return ["--model.path", str(model)], f"{model}/transformer/config.json is not valid JSON"
@@ -80,6 +85,7 @@ CASES = [
     "run_name_leaves_output_dir",
     "key_given_twice",
     "empty_recipe",
+    "reward_option_misspelled",
     "broken_transformer_config",
     "truncated_safetensors",
 ]

@@ -40,7 +40,7 @@ from miles.world import render_prompt, train_prompts
 REPO = Path(__file__).resolve().parents[2]
 HOSTED = "jpeg_incompressibility,sharpness,world_adherence"
 MIX = {"jpeg_incompressibility": 0.5, "sharpness": 1.0, "world_adherence": 2.0}
-FAST = {"remote_retries": 1, "remote_backoff_s": 0.01, "remote_timeout_s": 30.0}
+FAST = {"retries": 1, "backoff_s": 0.01, "timeout_s": 30.0}
 
 
 def assert_bitwise(a: torch.Tensor, b: torch.Tensor) -> None:
@@ -121,7 +121,7 @@ def test_quantisation_round_trip_and_wire_format() -> None:
 def test_remote_mix_equals_in_process_bitwise(server: Server) -> None:
     videos, prompts = world_batch()
     videos = quantized(videos)  # exact k/255 values: every reward sees the same frames
-    remote = build_rewards({"remote": 1.0}, remote_url=server.url, remote_rewards=MIX, **FAST)
+    remote = build_rewards({"remote": 1.0}, {"remote": dict(url=server.url, rewards=MIX, **FAST)})
     combined, per_reward = remote(videos, prompts)
     want, want_per = build_rewards(MIX)(videos, prompts)
     assert_bitwise(combined, want)
@@ -135,7 +135,7 @@ def test_remote_mix_equals_in_process_bitwise(server: Server) -> None:
 def test_float_frames_jpeg_exact_float_rewards_see_quantised_frames(server: Server) -> None:
     videos, prompts = world_batch(4, seed=1)
     names = ["jpeg_incompressibility", "sharpness"]
-    remote = build_rewards({"remote": 1.0}, remote_url=server.url, remote_rewards=names, **FAST)
+    remote = build_rewards({"remote": 1.0}, {"remote": dict(url=server.url, rewards=names, **FAST)})
     remote(videos, prompts)
     got = remote.rewards["remote"].last_scores
     # JPEG quantises frames itself: the remote score is the in-process score of the float videos
@@ -153,11 +153,15 @@ def test_batches_and_frame_subsampling(server: Server) -> None:
     before = server.stats()["num_scored_requests"]
     remote = build_rewards(
         {"remote": 1.0},
-        remote_url=server.url,
-        remote_rewards=names,
-        remote_batch_size=2,
-        remote_num_frames=4,  # the server's rewards sample 4 of these 4: the same frames as in-process
-        **FAST,
+        {
+            "remote": dict(
+                url=server.url,
+                rewards=names,
+                batch_size=2,
+                num_frames=4,  # the server's rewards sample 4 of these 4: the same frames as in-process
+                **FAST,
+            )
+        },
     )
     combined, _ = remote(videos, prompts)
     want, _ = build_rewards(dict.fromkeys(names, 1.0))(quantized(videos), prompts)
@@ -168,7 +172,7 @@ def test_batches_and_frame_subsampling(server: Server) -> None:
 def test_missing_server_is_refused_in_the_constructor() -> None:
     url = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(ValueError, match=re.escape(f"{url}/health")) as e:
-        build_rewards({"remote": 1.0}, remote_url=url, **FAST)
+        build_rewards({"remote": 1.0}, {"remote": dict(url=url, **FAST)})
     assert "python -m miles.rewards.serve" in str(e.value)
 
 
@@ -177,23 +181,28 @@ def test_dry_run_and_trainer_check_the_server_before_building(server: Server) ->
     the server: a missing server and an unhosted reward are refused without building a reward."""
     from miles.config import RewardConfig
     from miles.rewards.from_config import check_reward_config
+    from miles.rewards.remote import RemoteOptions
 
-    options = dict(remote_retries=1, remote_backoff_s=0.01, remote_timeout_s=10.0)
+    options = dict(retries=1, backoff_s=0.01, timeout_s=10.0)
     missing = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(ValueError, match=re.escape(f"{missing}/health") + ".*after 2 attempt"):
-        check_reward_config(RewardConfig(weights={"remote": 1.0}, remote_url=missing, **options))
-    cfg = RewardConfig(
-        weights={"remote": 1.0}, remote_url=server.url, remote_rewards={"pickscore": 1.0}, **options
-    )
+        check_reward_config(
+            RewardConfig(weights={"remote": 1.0}, remote=RemoteOptions(url=missing, **options))
+        )
+    unhosted = RemoteOptions(url=server.url, rewards={"pickscore": 1.0}, **options)
     with pytest.raises(ValueError, match=r"does not host \['pickscore'\]"):
-        check_reward_config(cfg)
-    check_reward_config(RewardConfig(weights={"remote": 1.0}, remote_url=server.url, **options))
+        check_reward_config(RewardConfig(weights={"remote": 1.0}, remote=unhosted))
+    check_reward_config(
+        RewardConfig(weights={"remote": 1.0}, remote=RemoteOptions(url=server.url, **options))
+    )
 
 
 def test_unhosted_reward_and_bad_prompt_are_refused(server: Server) -> None:
     with pytest.raises(ValueError, match=r"does not host \['pickscore'\]"):
-        build_rewards({"remote": 1.0}, remote_url=server.url, remote_rewards=["pickscore"], **FAST)
-    remote = build_rewards({"remote": 1.0}, remote_url=server.url, remote_rewards=["world_adherence"], **FAST)
+        build_rewards({"remote": 1.0}, {"remote": dict(url=server.url, rewards=["pickscore"], **FAST)})
+    remote = build_rewards(
+        {"remote": 1.0}, {"remote": dict(url=server.url, rewards=["world_adherence"], **FAST)}
+    )
     videos, prompts = world_batch(2)
     with pytest.raises(RemoteRewardError, match=r"HTTP 400 \(not retried\).*a purple cube"):
         remote(videos, [prompts[0], "a purple cube"])
@@ -203,7 +212,7 @@ def test_unhosted_reward_and_bad_prompt_are_refused(server: Server) -> None:
 def test_server_killed_between_batches_then_restarted() -> None:
     server = start_server()
     try:
-        remote = build_rewards({"remote": 1.0}, remote_url=server.url, remote_rewards=MIX, **FAST)
+        remote = build_rewards({"remote": 1.0}, {"remote": dict(url=server.url, rewards=MIX, **FAST)})
         videos, prompts = world_batch(3)
         videos = quantized(videos)
         want, _ = build_rewards(MIX)(videos, prompts)
@@ -224,8 +233,8 @@ def test_server_killed_mid_call_and_restarted_while_the_client_retries() -> None
     server = start_server()
     box = {"server": server}
     try:
-        options = dict(remote_retries=8, remote_backoff_s=0.25, remote_timeout_s=30.0, remote_batch_size=1)
-        remote = build_rewards({"remote": 1.0}, remote_url=server.url, remote_rewards=MIX, **options)
+        options = dict(retries=8, backoff_s=0.25, timeout_s=30.0, batch_size=1)
+        remote = build_rewards({"remote": 1.0}, {"remote": dict(url=server.url, rewards=MIX, **options)})
         client = remote.rewards["remote"]
         videos, prompts = world_batch(4)
         videos = quantized(videos)
@@ -260,7 +269,7 @@ def test_lost_answers_are_retried_and_each_sample_scored_once() -> None:
     server = start_server("--fault-drop-first", "2")
     try:
         remote = build_rewards(
-            {"remote": 1.0}, remote_url=server.url, remote_rewards=MIX, remote_batch_size=3, **FAST
+            {"remote": 1.0}, {"remote": dict(url=server.url, rewards=MIX, batch_size=3, **FAST)}
         )
         videos, prompts = world_batch(6)
         videos = quantized(videos)
@@ -291,13 +300,13 @@ def test_threading_engine_token_and_limits(monkeypatch) -> None:
         big = encode_request(np.zeros((8, 9, 64, 64, 3), np.uint8), ["x"] * 8, ["sharpness"], "big")
         assert requests.post(server.url + "/score", data=big, headers=auth, timeout=10).status_code == 413
         videos, prompts = world_batch(2)
-        got, _ = build_rewards({"remote": 1.0}, remote_url=server.url, remote_rewards=MIX, **FAST)(
+        got, _ = build_rewards({"remote": 1.0}, {"remote": dict(url=server.url, rewards=MIX, **FAST)})(
             videos, prompts
         )
         assert_bitwise(got, build_rewards(MIX)(quantized(videos), prompts)[0])
         monkeypatch.delenv("MILES_REWARD_TOKEN")
         with pytest.raises(ValueError, match="refused this client's token"):
-            build_rewards({"remote": 1.0}, remote_url=server.url, **FAST)
+            build_rewards({"remote": 1.0}, {"remote": dict(url=server.url, **FAST)})
     finally:
         server.kill()
 
@@ -365,7 +374,7 @@ def test_bad_answers_name_the_url(mode: str) -> None:
             self.reply(status, answer)
 
     for url in start_fake(Handler):
-        remote = build_rewards({"remote": 1.0}, remote_url=url, **FAST)
+        remote = build_rewards({"remote": 1.0}, {"remote": dict(url=url, **FAST)})
         with pytest.raises(RemoteRewardError, match=re.escape(f"{url}/score") + f".*{message}"):
             remote(*world_batch(2))
     assert len(calls) == (2 if mode == "http_503" else 1) and len(set(calls)) == 1  # one id per batch
@@ -421,8 +430,8 @@ def fake_vlm() -> Iterator[FakeVLM]:
 
 
 def vlm(url: str, **options: object):
-    options = {"vlm_url": url, "vlm_retries": 2, "vlm_backoff_s": 0.01, "vlm_timeout_s": 10.0, **options}
-    return build_rewards({"vlm_judge": 1.0}, **options).rewards["vlm_judge"]
+    options = {"url": url, "retries": 2, "backoff_s": 0.01, "timeout_s": 10.0, **options}
+    return build_rewards({"vlm_judge": 1.0}, {"vlm_judge": options}).rewards["vlm_judge"]
 
 
 def random_videos(batch: int) -> torch.Tensor:
@@ -449,7 +458,7 @@ def test_parse_score() -> None:
 
 def test_vlm_judge_scores_retries_and_counts_unparsable(fake_vlm: FakeVLM, monkeypatch) -> None:
     monkeypatch.setenv("MILES_VLM_API_KEY", "sekrit")
-    judge = vlm(fake_vlm.url, vlm_unparsable="min", vlm_num_frames=4)
+    judge = vlm(fake_vlm.url, unparsable="min", num_frames=4)
     assert judge.model == "fake-vl"  # the only model /v1/models lists
     videos, prompts = random_videos(5), list(SCRIPT)
     scores = judge(videos, prompts)
@@ -471,7 +480,7 @@ def test_vlm_judge_scores_retries_and_counts_unparsable(fake_vlm: FakeVLM, monke
 
 
 def test_vlm_judge_unparsable_error_is_the_default(fake_vlm: FakeVLM) -> None:
-    judge = vlm(fake_vlm.url, vlm_model="fake-vl")
+    judge = vlm(fake_vlm.url, model="fake-vl")
     with pytest.raises(RemoteRewardError, match="2 unparsable answer.*I cannot rate this video"):
         judge(random_videos(5), list(SCRIPT))
     assert judge.stats()["num_unparsable"] == 2
@@ -479,18 +488,18 @@ def test_vlm_judge_unparsable_error_is_the_default(fake_vlm: FakeVLM) -> None:
 
 def test_vlm_judge_refuses_bad_setup(fake_vlm: FakeVLM) -> None:
     with pytest.raises(ValueError, match=r"'qwen' is not served.*\['fake-vl'\]"):
-        vlm(fake_vlm.url, vlm_model="qwen")
+        vlm(fake_vlm.url, model="qwen")
     url = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(ValueError, match=re.escape(f"{url}/v1/models")):
         vlm(url)
-    with pytest.raises(ValueError, match="vlm_question must contain"):
-        vlm(fake_vlm.url, vlm_question="Rate it.")
-    with pytest.raises(ValueError, match="vlm_score_range"):
-        vlm(fake_vlm.url, vlm_score_range=[5, 1])
+    with pytest.raises(ValueError, match=r"vlm_judge\.question must contain"):
+        vlm(fake_vlm.url, question="Rate it.")
+    with pytest.raises(ValueError, match=r"vlm_judge\.score_range"):
+        vlm(fake_vlm.url, score_range=[5, 1])
 
 
 def test_vlm_judge_gives_up_after_retries(fake_vlm: FakeVLM) -> None:
-    judge = vlm(fake_vlm.url, vlm_retries=0)
+    judge = vlm(fake_vlm.url, retries=0)
     with pytest.raises(
         RemoteRewardError, match=re.escape(f"{fake_vlm.url}/v1/chat/completions") + ".*HTTP 500"
     ):

@@ -53,8 +53,16 @@ def server() -> Iterator[ServerProcess]:
 
 
 def remote(url: str, **options: object):
-    options = {"remote_retries": 2, "remote_backoff_s": 0.1, "remote_timeout_s": 60.0, **options}
-    return build_rewards({"remote": 1.0}, remote_url=url, remote_rewards=MIX, remote_token=TOKEN, **options)
+    options = {
+        "url": url,
+        "rewards": MIX,
+        "token": TOKEN,
+        "retries": 2,
+        "backoff_s": 0.1,
+        "timeout_s": 60.0,
+        **options,
+    }
+    return build_rewards({"remote": 1.0}, {"remote": options})
 
 
 def test_scores_bitwise_split_over_replicas_and_batched_across_clients(server) -> None:

@@ -1,6 +1,6 @@
 """Reward shaping: per-reward normalisation before weighting (against a float64 loop written out
-here), gold rewards kept out of the trained sum, and the ``reward`` config section reaching every
-reward's constructor (the remote recipe's ``remote_url`` among them)."""
+here), gold rewards kept out of the trained sum, and the shaping config checks (each reward's own
+options: tests/unit/test_reward_options.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import torch
 
 from miles.config import Config, ConfigError, RewardConfig, parse_args
 from miles.rewards import build_rewards
-from miles.rewards.from_config import build_configured_rewards, check_reward_config, reward_options
+from miles.rewards.from_config import build_configured_rewards, check_reward_config
+from miles.rewards.pickscore import PickScoreOptions
 from miles.rewards.shaping import EvalRewards, normalize_scores, shaped_reward
 
 
@@ -100,18 +101,9 @@ def test_help_lists_the_shaping_fields(capsys):
     assert "--reward.normalize" in out and "--reward.gold" in out
 
 
-def test_every_reward_option_reaches_a_reward():
-    """Each ``reward.*`` option is taken by some reward's constructor, and the trainer passes it."""
-    options = reward_options(RewardConfig(), device="cpu")
-    build_rewards({"jpeg_incompressibility": 1.0}, **options)  # raises on an option no reward takes
-    cfg = RewardConfig(weights={"remote": 1.0}, remote_url="http://127.0.0.1:9", remote_retries=0)
-    with pytest.raises(ValueError, match=r"no miles reward server .* at http://127.0.0.1:9/health"):
-        build_configured_rewards(cfg)  # remote_url reached RemoteReward (it used to be dropped)
-
-
 def test_missing_gold_weights_are_refused_before_loading(tmp_path):
-    cfg = RewardConfig(gold=["pickscore"], pickscore_path=str(tmp_path / "nowhere"))
-    with pytest.raises(ValueError, match="reward.pickscore_path=.*nowhere.* is not a folder"):
+    cfg = RewardConfig(gold=["pickscore"], pickscore=PickScoreOptions(model_path=str(tmp_path / "nowhere")))
+    with pytest.raises(ValueError, match=r"reward\.pickscore\.model_path=.*nowhere.* is not a folder"):
         check_reward_config(cfg)
     trained, gold = build_configured_rewards(RewardConfig(gold=["sharpness"]))
     assert trained.names == ["jpeg_incompressibility"] and gold.names == ["sharpness"]

@@ -140,7 +140,7 @@ def test_bad_weight_is_rejected(weight):
 def test_empty_specs_and_unknown_options_are_rejected():
     with pytest.raises(ValueError, match="at least one reward"):
         build_rewards({})
-    with pytest.raises(ValueError, match="unknown reward option.*num_frame"):
+    with pytest.raises(ValueError, match="unknown reward argument.*num_frame"):
         build_rewards({"jpeg_compressibility": 1.0}, num_frame=2)
 
 
@@ -213,7 +213,9 @@ def test_pickscore_matches_clip_reference(clip_dir, offline):
     torch.manual_seed(1)
     videos = torch.rand(2, 10, 3, 32, 32)  # frames already at the model's 32x32: no resize
     prompts = ["a red fox jumping over a lazy dog", "snow"]
-    rewards = build_rewards({"pickscore": 1.0}, pickscore_path=clip_dir, num_frames=4, dtype="float32")
+    rewards = build_rewards(
+        {"pickscore": 1.0}, {"pickscore": {"model_path": clip_dir}}, num_frames=4, dtype="float32"
+    )
     _, per_reward = rewards(videos, prompts)
     score = per_reward["pickscore"]
 
@@ -238,7 +240,7 @@ def test_pickscore_resizes_frames_like_the_processor(clip_dir, offline):
     torch.manual_seed(2)
     videos = torch.rand(2, 3, 3, 40, 56)  # not the model's size: the processor resizes and crops
     prompts = ["a", "b c"]
-    reward = PickScore(pickscore_path=clip_dir, num_frames=None)
+    reward = PickScore(model_path=clip_dir, num_frames=None)
     score = reward(videos, prompts)
 
     processor = CLIPProcessor.from_pretrained(clip_dir)
@@ -261,17 +263,17 @@ def test_pickscore_missing_path_fails_before_loading(clip_dir, tmp_path, monkeyp
     monkeypatch.setattr(transformers.CLIPModel, "from_pretrained", no_loading)
     monkeypatch.setattr(transformers.CLIPProcessor, "from_pretrained", no_loading)
 
-    with pytest.raises(ValueError, match=r"set reward\.pickscore_path"):
+    with pytest.raises(ValueError, match=r"set reward\.pickscore\.model_path"):
         build_rewards({"jpeg_compressibility": 1.0, "pickscore": 1.0})
-    with pytest.raises(ValueError, match=r"reward\.pickscore_path=.*is not a folder"):
-        build_rewards({"pickscore": 1.0}, pickscore_path=tmp_path / "nope")
-    with pytest.raises(ValueError, match=r"reward\.pickscore_path=.*config\.json"):
-        build_rewards({"pickscore": 1.0}, pickscore_path=tmp_path, pickscore_processor_path=clip_dir)
-    with pytest.raises(ValueError, match=r"reward\.pickscore_processor_path=.*tokenizer\.json"):
+    with pytest.raises(ValueError, match=r"reward\.pickscore\.model_path=.*is not a folder"):
+        build_rewards({"pickscore": 1.0}, {"pickscore": {"model_path": tmp_path / "nope"}})
+    with pytest.raises(ValueError, match=r"reward\.pickscore\.model_path=.*config\.json"):
+        build_rewards({"pickscore": 1.0}, {"pickscore": {"model_path": tmp_path, "processor_path": clip_dir}})
+    with pytest.raises(ValueError, match=r"reward\.pickscore\.processor_path=.*tokenizer\.json"):
         (tmp_path / "preprocessor_config.json").write_text("{}")
-        build_rewards({"pickscore": 1.0}, pickscore_path=clip_dir, pickscore_processor_path=tmp_path)
+        build_rewards({"pickscore": 1.0}, {"pickscore": {"model_path": clip_dir, "processor_path": tmp_path}})
     with pytest.raises(ValueError, match=r"reward\.dtype"):
-        build_rewards({"pickscore": 1.0}, pickscore_path=clip_dir, dtype="float8")
+        build_rewards({"pickscore": 1.0}, {"pickscore": {"model_path": clip_dir}}, dtype="float8")
 
 
 def test_sharpness_against_numpy_reference():
