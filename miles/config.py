@@ -919,8 +919,23 @@ def load_config_file(path: str | Path) -> Config:
         raise ConfigError(f"{path}: {e}") from None
 
 
+# Fields that hold secrets: written out (config.yaml, checkpoints, wandb) only as whether they were set.
+SECRET_FIELDS = ("reward.remote.token",)
+REDACTED = "<set; not saved>"
+
+
 def to_dict(cfg: Config) -> dict:
-    return dataclasses.asdict(cfg)
+    """``cfg`` as the run directory, its checkpoints and wandb keep it: secrets redacted
+    (``SECRET_FIELDS``; a set one becomes ``REDACTED``, so a resume still sees that it was set)."""
+    out = dataclasses.asdict(cfg)
+    for path in SECRET_FIELDS:
+        *parents, leaf = path.split(".")
+        node = out
+        for key in parents:
+            node = node.get(key) if isinstance(node, dict) else None
+        if isinstance(node, dict) and node.get(leaf) is not None:
+            node[leaf] = REDACTED
+    return out
 
 
 _LAUNCHER_HELP = """miles: GRPO fine-tuning of Wan video transformers with sequence parallelism.

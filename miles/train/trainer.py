@@ -10,7 +10,6 @@ forms advantages; the algorithm (``miles.algorithms``) turns the batch into opti
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 import os
 import signal
@@ -26,7 +25,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from tqdm import tqdm
 
 from miles.algorithms import Policy, build_algorithm
-from miles.config import Config
+from miles.config import Config, to_dict
 from miles.data.prompts import GroupSampler
 from miles.eval import evaluate, summarize, write_eval
 from miles.eval.evaluate import eval_settings, grid_caption
@@ -219,7 +218,7 @@ class Trainer:
             dist.barrier()
         self.logger = MetricsLogger(
             self.run_dir,
-            dataclasses.asdict(cfg),
+            to_dict(cfg),
             mode=os.environ.get("WANDB_MODE", cfg.run.wandb_mode)
             if cfg.run.wandb_mode != "disabled"
             else "disabled",
@@ -229,7 +228,7 @@ class Trainer:
         )
         if self.rank == 0:
             (self.run_dir / "config.yaml").write_text(
-                yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False)
+                yaml.safe_dump(to_dict(cfg), sort_keys=False)
             )
 
     def _load_inputs(self) -> None:
@@ -373,7 +372,7 @@ class Trainer:
             "world_size": self.world_size,
             "dp": self.dims.dp,
             "sp": self.dims.sp,
-            "config": dataclasses.asdict(self.cfg),
+            "config": to_dict(self.cfg),
             "model_fingerprint": self.model_fingerprint,
         }
 

@@ -214,3 +214,19 @@ def test_recipes_spell_options_in_their_sections():
         reward = yaml.safe_load(recipe.read_text()).get("reward", {})
         flat = [k for k in reward if k not in ("weights", "normalize", "gold", "num_frames")]
         assert all(isinstance(reward[k], dict) for k in flat), (recipe.name, flat)
+
+
+def test_a_token_in_the_config_is_never_written_out():
+    """reward.remote.token may be set in a recipe or on the command line: the run directory's
+    config.yaml, the checkpoints and wandb get ``to_dict(cfg)``, which says only that it was set."""
+    import yaml
+
+    from miles.config import REDACTED, parse_args, to_dict
+
+    cfg, _ = parse_args(["--config", "configs/tiny_cpu.yaml", "--reward.remote.token", "s3cret"])
+    assert cfg.reward.remote.token == "s3cret"  # the run itself uses it
+    saved = to_dict(cfg)
+    assert saved["reward"]["remote"]["token"] == REDACTED
+    assert "s3cret" not in yaml.safe_dump(saved)
+    plain, _ = parse_args(["--config", "configs/tiny_cpu.yaml"])
+    assert to_dict(plain)["reward"]["remote"]["token"] is None
