@@ -227,9 +227,7 @@ class Trainer:
             enabled=self.rank == 0,
         )
         if self.rank == 0:
-            (self.run_dir / "config.yaml").write_text(
-                yaml.safe_dump(to_dict(cfg), sort_keys=False)
-            )
+            (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
     def _load_inputs(self) -> None:
         """The prompts (training and held-out, and their images for image-to-video), loaded and
