@@ -105,7 +105,6 @@ def rollout(model, precision: str, pos, neg, init, args, device):
             num_steps=args.num_steps,
             shift=SHIFT,
             guidance_scales=[GUIDANCE],
-            boundary_ratio=None,
             noise_level=NOISE_LEVEL,
             generator=generator,
             latents=init,

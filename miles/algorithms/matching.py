@@ -91,8 +91,7 @@ def velocity(
         chunk.pos,
         chunk.neg if cfg else None,
         [guidance] * len(transformers) if cfg else policy.guidance_scales,
-        policy.boundary_ratio,
-        policy.expand_timesteps,
+        policy.routing,
         chunk.condition,
     )
 

@@ -196,7 +196,7 @@ def _setup(section: dict, name: str):
     def generator(*parts):
         return torch.Generator().manual_seed(hash(parts) & 0x7FFF_FFFF)
 
-    policy = Policy([trained], [1.0], None, False, ref, generator, SimpleNamespace(transformers=[old]))
+    policy = Policy([trained], [1.0], None, ref, generator, SimpleNamespace(transformers=[old]))
     g = torch.Generator().manual_seed(9)
     n = 8  # two groups of 4, in micro-batches of 3, 3, 2 (a group spans micro-batches)
     x0 = torch.randn(n, 2, 1, 2, 2, generator=g)
