@@ -3,8 +3,11 @@
 Covers Wan2.1 T2V (one expert), Wan2.2 TI2V-5B (one expert, 2-D timesteps) and Wan2.2 A14B
 (two experts: ``transformer`` for high noise, ``transformer_2`` for low noise, switched at
 ``boundary_ratio``), their image-to-video forms (Wan2.1-I2V, Wan2.2-I2V-A14B, TI2V-5B's image
-mode: ``miles.models.i2v``, ``miles.rollout.condition``), and the embedded tiny models. The text encoder and VAE are frozen and
-replicated on every rank; only the transformer(s) are trained, sharded and sequence-parallel.
+mode: ``miles.models.i2v``, ``miles.rollout.condition``), and the embedded tiny models. The text
+encoder and VAE are frozen and replicated on every rank; only the transformer(s) are trained,
+sharded and sequence-parallel. The run reaches it through the model-family seam
+(:mod:`miles.models.family`, :mod:`miles.models.wan_family`): :class:`WanModel` is the family's
+``FamilyModel``, :class:`WanRouting` its ``ExpertRouting``.
 """
 
 from __future__ import annotations
@@ -21,16 +24,6 @@ from miles.models.i2v import check_i2v_run, condition_mode, encode_image_conditi
 from miles.models.tiny import tiny_model_path
 from miles.rollout.condition import ImageCondition
 from miles.rollout.sampler import NUM_TRAIN_TIMESTEPS
-
-__all__ = [
-    "DTYPES",
-    "EXPERT_FOLDERS",
-    "WanModel",
-    "WanRouting",
-    "load_wan",
-    "read_json",
-    "text_encoder_dtype",
-]
 
 EXPERT_FOLDERS = ("transformer", "transformer_2")  # high noise, low noise
 WAN_PIPELINES = frozenset({"WanPipeline", "WanImageToVideoPipeline", "WanVideoToVideoPipeline"})
