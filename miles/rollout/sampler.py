@@ -158,8 +158,9 @@ def predict_velocity(
     """The routed, guided velocity at timestep ``t`` (0-dim tensor) for latents (B, C, F, H, W), fp32.
 
     ``routing`` (the family's ``ExpertRouting``) picks the expert and shapes its timestep: (B,), or
-    one per token, (B, S). ``condition``: the image condition of image-to-video models (``miles.rollout.condition``):
-    it builds the model input and timestep and carries the image embeddings.
+    one per token, (B, S). ``condition``: the image condition of image-to-video models
+    (``miles.rollout.condition``): it builds the model input and timestep and carries the image
+    embeddings.
     """
     idx = _expert(routing, t, len(transformers))
     model = transformers[idx]
