@@ -4,6 +4,7 @@ boundary and the timestep layout read from the tiny folders' own JSON files (not
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from miles.rollout.sampler import flow_sigmas
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@functools.cache  # each folder read once (configs only, on the meta device)
 def _meta(variant: str):
     cfg = Config(model=ModelConfig(tiny_model_dir=str(ROOT / ".cache/tiny-wan"), tiny_variant=variant))
     path = model_folder(cfg.model)
