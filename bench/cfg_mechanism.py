@@ -176,7 +176,6 @@ def rollout(model, batch, g: float, seed: int):
         num_steps=NUM_STEPS,
         shift=SHIFT,
         guidance_scales=g,
-        boundary_ratio=None,
         noise_level=NOISE_LEVEL,
         generator=torch.Generator().manual_seed(seed),
         timestep_fraction=FRACTION,

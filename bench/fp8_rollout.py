@@ -56,12 +56,13 @@ def build_expert(name: str, device: torch.device, compile_blocks: bool):
     """The transformer of ``name`` with random weights, wrapped as the trainer wraps it (one rank)."""
     from diffusers import WanTransformer3DModel
 
+    from miles.models.config_folders import per_token_timesteps
     from miles.parallel.topology import ParallelDims, build_parallel_mesh
     from miles.train.parallelize import parallelize_expert
     from miles.train.plan import default_attention_backend
 
     spec = model_spec(name)
-    if spec["vae"].get("z_dim", 16) != spec["transformer"]["in_channels"] or spec.get("expand_timesteps"):
+    if spec["vae"].get("z_dim", 16) != spec["transformer"]["in_channels"] or per_token_timesteps(spec):
         raise SystemExit(f"{name}: this bench covers the Wan2.1-VAE text-to-video experts (1.3B, 14B, tiny)")
     mesh = build_parallel_mesh(ParallelDims(world_size=1, sequence_parallel_size=1), device.type)
     torch.manual_seed(0)
@@ -105,7 +106,6 @@ def rollout(model, precision: str, pos, neg, init, args, device):
             num_steps=args.num_steps,
             shift=SHIFT,
             guidance_scales=[GUIDANCE],
-            boundary_ratio=None,
             noise_level=NOISE_LEVEL,
             generator=generator,
             latents=init,

@@ -173,9 +173,11 @@ def compare(phases: list[dict], memory_gib: dict) -> list[dict]:
 
 def _install_probes(probes) -> None:
     import miles.train.trainer as trainer_mod
+    from miles.models.family import FAMILIES
 
     Trainer = trainer_mod.Trainer
-    probes.wrap(trainer_mod, "load_wan", "load", missing_ok=True)
+    for family in FAMILIES.values():  # the trainer loads through plan.family.load
+        probes.wrap(type(family), "load", "load")
     probes.wrap(trainer_mod, "parallelize", "shard")
     probes.wrap(Trainer, "rollout", "rollout")
     probes.wrap(Trainer, "score", "decode+reward")

@@ -393,7 +393,6 @@ def evaluate(model, prompts: list[str], num_seeds: int, cfg: PretrainConfig) -> 
             num_steps=cfg.eval_steps,
             shift=SHIFT,
             guidance_scales=cfg.eval_guidance,
-            boundary_ratio=None,
             noise_level=0.0,
             generator=torch.Generator().manual_seed(cfg.eval_seed + j),
         )

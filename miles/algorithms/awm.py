@@ -26,12 +26,12 @@ import torch
 from torch import Tensor
 
 from miles.algorithms import register_algorithm
-from miles.algorithms.base import Algorithm, Policy
+from miles.algorithms.base import Policy
 from miles.algorithms.matching import (
+    OnPolicyMatching,
     check_num_levels,
     forward_noise,
     level_candidates,
-    linear_decay,
     matching_error,
     noised,
     step_levels,
@@ -73,7 +73,7 @@ def awm_policy_loss(log_prob: Tensor, advantages: Tensor) -> Tensor:
 
 
 @register_algorithm("awm")
-class AWM(Algorithm):
+class AWM(OnPolicyMatching):
     name = "awm"
 
     def __init__(self, cfg):
@@ -82,25 +82,13 @@ class AWM(Algorithm):
         self.uses_old_policy = cfg.awm.ema_kl_beta > 0  # the lagging copy of the EMA term
         if not 0.0 <= cfg.awm.ema_decay_max < 1.0:
             raise ValueError(f"awm.ema_decay_max must be in [0, 1), got {cfg.awm.ema_decay_max}")
+        self.lagging_decay = ("ema_decay", cfg.awm.ema_decay_rate, cfg.awm.ema_decay_max)
         r = cfg.rollout
         self.candidates = level_candidates(r.num_steps, r.shift, cfg.awm.timestep_fraction)
         check_num_levels("awm", cfg.awm.num_levels, self.candidates)
 
-    def sde_steps(self, num_steps: int, generator: torch.Generator) -> list[int]:
-        return []  # ODE rollouts: only the clean samples are recorded
-
     def forwards_per_sample(self, batch: RolloutBatch) -> int:
         return self.awm.num_levels * (1 + int(self.uses_reference) + int(self.uses_old_policy))
-
-    def rollout_transformers(self, policy: Policy):
-        return policy.transformers  # on-policy: the lagging copy only regularises
-
-    def after_rollout(self, policy: Policy, step: int) -> dict[str, float]:
-        if not self.uses_old_policy:
-            return {}
-        decay = linear_decay(step, self.awm.ema_decay_rate, self.awm.ema_decay_max)
-        policy.old.soft_update(decay)
-        return {"ema_decay": decay}
 
     def _regulariser(self, transformers, policy, x_t, sigma, chunk, v) -> Tensor:
         with torch.no_grad():

@@ -30,8 +30,9 @@ class Policy:
 
     transformers: Sequence[nn.Module]
     guidance_scales: list[float]
-    boundary_ratio: float | None
-    expand_timesteps: bool
+    routing: object
+    """The model family's ``ExpertRouting`` (``model.routing``): the expert of each timestep and the
+    timestep it takes."""
     reference: Callable[[], AbstractContextManager[Sequence[nn.Module]]] | None
     """A context giving the reference (initial) policy's experts: the frozen copy, or the LoRA model
     with its adapters off. None: no reference is kept (no KL term)."""

@@ -33,13 +33,13 @@ import torch
 from torch import Tensor
 
 from miles.algorithms import register_algorithm
-from miles.algorithms.base import Algorithm, Policy
+from miles.algorithms.base import Policy
 from miles.algorithms.matching import (
+    OnPolicyMatching,
     check_group_per_step,
     check_num_levels,
     forward_noise,
     level_candidates,
-    linear_decay,
     matching_error,
     noised,
     step_levels,
@@ -85,7 +85,7 @@ def dgpo_coefficients(
 
 
 @register_algorithm("dgpo")
-class DGPO(Algorithm):
+class DGPO(OnPolicyMatching):
     name = "dgpo"
 
     def __init__(self, cfg):
@@ -95,27 +95,15 @@ class DGPO(Algorithm):
         self.uses_reference = d.kl_beta > 0 or not d.ema_reference
         if not 0.0 <= d.old_decay_max < 1.0:
             raise ValueError(f"dgpo.old_decay_max must be in [0, 1), got {d.old_decay_max}")
+        self.lagging_decay = ("old_decay", d.old_decay_rate, d.old_decay_max)
         r = cfg.rollout
         self.candidates = level_candidates(r.num_steps, r.shift, d.timestep_fraction)
         check_group_per_step("dgpo", cfg)
         check_num_levels("dgpo", d.num_levels, self.candidates)
 
-    def sde_steps(self, num_steps: int, generator: torch.Generator) -> list[int]:
-        return []  # ODE rollouts: only the clean samples are recorded
-
     def forwards_per_sample(self, batch: RolloutBatch) -> int:
         ref = (2 if self.dgpo.reference_guidance_scale > 1 else 1) if self.uses_reference else 0
         return self.dgpo.num_levels * (2 + ref + int(self.uses_old_policy))
-
-    def rollout_transformers(self, policy: Policy):
-        return policy.transformers  # on-policy: the lagging copy only clips or compares
-
-    def after_rollout(self, policy: Policy, step: int) -> dict[str, float]:
-        if not self.uses_old_policy:
-            return {}
-        decay = linear_decay(step, self.dgpo.old_decay_rate, self.dgpo.old_decay_max)
-        policy.old.soft_update(decay)
-        return {"old_decay": decay}
 
     @torch.no_grad()
     def _errors(self, policy: Policy, chunk: MicroBatch, x0: Tensor, noise: Tensor, sigma) -> dict:

@@ -103,8 +103,7 @@ class DiffusionNFT(Algorithm):
             chunk.pos,
             None,  # CFG-free: the conditional velocity is the policy
             policy.guidance_scales,
-            policy.boundary_ratio,
-            policy.expand_timesteps,
+            policy.routing,
             chunk.condition,
         )
 

@@ -91,9 +91,8 @@ class FlowGRPO(Algorithm):
             prompt_embeds=chunk.pos,
             negative_embeds=chunk.neg if self.grpo.train_cfg else None,
             guidance_scales=policy.guidance_scales,
-            boundary_ratio=policy.boundary_ratio,
+            routing=policy.routing,
             noise_level=self.rollout.noise_level,
-            expand_timesteps=policy.expand_timesteps,
             sde_type=self.rollout.sde_type,
             condition=chunk.condition,
         )

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from miles.algorithms.base import Policy
+from miles.algorithms.base import Algorithm, Policy
 from miles.rollout.batch import MicroBatch, RolloutBatch
 from miles.rollout.condition import generated
 from miles.rollout.sampler import NUM_TRAIN_TIMESTEPS, flow_sigmas, predict_velocity
@@ -91,8 +91,7 @@ def velocity(
         chunk.pos,
         chunk.neg if cfg else None,
         [guidance] * len(transformers) if cfg else policy.guidance_scales,
-        policy.boundary_ratio,
-        policy.expand_timesteps,
+        policy.routing,
         chunk.condition,
     )
 
@@ -121,3 +120,26 @@ def trained_part(chunk: MicroBatch, *tensors: Tensor) -> tuple[Tensor, ...]:
 def linear_decay(step: int, rate: float, max_decay: float) -> float:
     """A lagging copy's decay after ``step`` optimizer steps: min(rate·step, max_decay)."""
     return min(rate * step, max_decay)
+
+
+class OnPolicyMatching(Algorithm):
+    """The frame AWM and DGPO share: ODE rollouts of the trained weights, and, where the algorithm
+    keeps one (``uses_old_policy``), a lagging copy (``policy.old``) that only regularises, moved
+    towards the trained weights after each rollout with decay min(rate·step, max)."""
+
+    lagging_decay: tuple[str, float, float] = ("decay", 0.0, 0.0)
+    """(metric name, rate, max) of the lagging copy's decay; the subclass sets it from its config."""
+
+    def sde_steps(self, num_steps: int, generator: torch.Generator) -> list[int]:
+        return []  # ODE rollouts: only the clean samples are recorded
+
+    def rollout_transformers(self, policy: Policy):
+        return policy.transformers  # on-policy: the lagging copy only regularises
+
+    def after_rollout(self, policy: Policy, step: int) -> dict[str, float]:
+        if not self.uses_old_policy:
+            return {}
+        name, rate, max_decay = self.lagging_decay
+        decay = linear_decay(step, rate, max_decay)
+        policy.old.soft_update(decay)
+        return {name: decay}

@@ -9,7 +9,7 @@ shifts, σ = s·u / (1 + (s − 1)·u)) and Gaussian noise ε give
 
 on the conditional velocity (CFG-free; ``sft.caption_dropout`` trains a fraction of samples on the
 negative prompt's embedding so that CFG keeps an unconditional branch). Every sample has its own σ:
-the model's timestep is (B,), or one per token, (B, S), for Wan2.2's ``expand_timesteps``, with 0
+the model's timestep is (B,), or one per token, (B, S), as the family's routing shapes it, with 0
 on the tokens of a first-frame image condition, which carry no loss.
 
 Two experts: every rank must run the same expert at each pass (FSDP's collectives pair up by call
@@ -65,7 +65,7 @@ def flow_matching_loss(v: Tensor, x0: Tensor, noise: Tensor) -> Tensor:
 
 
 def conditional_velocity(
-    model, x_t: Tensor, sigma: Tensor, context: Tensor, condition=None, expand_timesteps: bool = False
+    model, x_t: Tensor, sigma: Tensor, context: Tensor, condition=None, routing=None
 ) -> Tensor:
     """The model's velocity (fp32) at latents ``x_t`` (B, C, F, H, W), one σ per sample (B,), text
     ``context`` (B, L, D); inputs as ``predict_velocity`` passes them (timestep fp32, unrounded)."""
@@ -76,10 +76,8 @@ def conditional_velocity(
     if condition is not None:  # (B,) or (B, S) with 0 on the first frame's tokens
         per = condition.timestep(ones, x, model.config.patch_size, x.shape[0])
         t = per * (t[:, None] if per.ndim == 2 else t)
-    elif expand_timesteps:
-        pt, ph, pw = model.config.patch_size
-        _, _, f, h, w = x.shape
-        t = t[:, None].expand(-1, (f // pt) * (h // ph) * (w // pw))
+    elif routing is not None:  # (B,), or (B, S) for per-token timesteps
+        t = routing.model_timestep(t, x, model)
     image = None if condition is None or condition.image_embeds is None else condition.image_embeds.to(dtype)
     extra = {} if image is None else {"encoder_hidden_states_image": image}  # Wan2.1-I2V only
     out = model(
@@ -117,7 +115,7 @@ class SFT(Algorithm):
         the same on every rank."""
         if len(policy.transformers) == 1:
             return 0, 0.0, 1.0
-        q_b = quantile_of_sigma(policy.boundary_ratio, **self._density())
+        q_b = quantile_of_sigma(policy.routing.boundary_sigma, **self._density())
         high = float(torch.rand((), generator=policy.generator(8, rollout, step_in_rollout))) >= q_b
         return (0, q_b, 1.0) if high else (1, 0.0, q_b)
 
@@ -151,7 +149,7 @@ class SFT(Algorithm):
             x_t = (1.0 - s) * x0 + s * noise
             neg = chunk.neg.to(chunk.pos.device, chunk.pos.dtype).expand_as(chunk.pos)
             context = torch.where(drop.to(chunk.pos.device).view(-1, 1, 1), neg, chunk.pos)
-            v = conditional_velocity(model, x_t, sigma, context, chunk.condition, policy.expand_timesteps)
+            v = conditional_velocity(model, x_t, sigma, context, chunk.condition, policy.routing)
             # a first-frame image condition's frame is clean: no loss on it
             per_sample = flow_matching_loss(*generated(chunk.condition, v, x0, noise))
             loss = per_sample.sum() / samples

@@ -10,8 +10,8 @@ Two samplers:
 
 - ``rollout``: the rollout's own uniform shifted grid (``rollout.num_steps``, ``rollout.shift``)
   with Euler (ODE) steps and the rollout's CFG — what training optimises, without its noise.
-- ``pipeline``: the checkpoint's own scheduler, stepped as ``WanPipeline`` steps it (real Wan
-  folders ship UniPC with a flow shift) — what users see at inference.
+- ``pipeline``: the checkpoint's own scheduler, stepped as its diffusers pipeline steps it (real
+  Wan folders ship UniPC with a flow shift) — what users see at inference.
 """
 
 from __future__ import annotations
@@ -40,8 +40,7 @@ class EvalSettings:
     num_steps: int
     shift: float
     guidance_scales: list[float]
-    boundary_ratio: float | None
-    expand_timesteps: bool
+    routing: object  # the model family's ExpertRouting (model.routing)
     micro_batch_size: int
     seed: int
     sampler: str = "rollout"
@@ -50,15 +49,15 @@ class EvalSettings:
 
 
 def eval_settings(cfg, model) -> EvalSettings:
-    """The evaluation settings of a run config (``miles.config.Config``) for a loaded ``WanModel``."""
+    """The evaluation settings of a run config (``miles.config.Config``) for a loaded model
+    (``miles.models.family.FamilyModel``)."""
     r = cfg.rollout
     return EvalSettings(
         latent_shape=model.latent_shape(r.num_frames, r.height, r.width),
         num_steps=cfg.eval.num_steps or r.num_steps,
         shift=r.shift,
         guidance_scales=guidance_scales(r, len(model.transformers)),
-        boundary_ratio=model.boundary_ratio,
-        expand_timesteps=model.expand_timesteps,
+        routing=model.routing,
         micro_batch_size=cfg.train.micro_batch_size,
         seed=cfg.run.seed,
         sampler=cfg.eval.sampler,
@@ -85,8 +84,8 @@ def sample_with_scheduler(
     settings: EvalSettings,
     condition=None,
 ) -> torch.Tensor:
-    """Denoise ``latents`` as ``WanPipeline`` does: the scheduler's own timesteps and steps, the
-    expert switch at ``boundary_ratio · 1000``, CFG per expert. Returns the clean latents (fp32).
+    """Denoise ``latents`` as the diffusers pipeline does: the scheduler's own timesteps and steps,
+    the experts switched by the family's routing, CFG per expert. Returns the clean latents (fp32).
 
     ``condition`` (``miles.rollout.condition.ImageCondition``): as ``WanImageToVideoPipeline``
     does; a first-frame condition's frame is put back after every step (the pipeline puts it back
@@ -104,8 +103,7 @@ def sample_with_scheduler(
             pos,
             neg,
             settings.guidance_scales,
-            settings.boundary_ratio,
-            settings.expand_timesteps,
+            settings.routing,
             condition,
         )
         x = scheduler.step(v, t, x, return_dict=False)[0].float()
@@ -135,11 +133,10 @@ def _ode(settings: EvalSettings) -> dict:
         num_steps=settings.num_steps,
         shift=settings.shift,
         guidance_scales=settings.guidance_scales,
-        boundary_ratio=settings.boundary_ratio,
+        routing=settings.routing,
         noise_level=0.0,
         generator=None,
         sde_steps=[],
-        expand_timesteps=settings.expand_timesteps,
     )
 
 
@@ -241,9 +238,7 @@ def _sample_all(model, inputs: list[tuple], settings: EvalSettings, gather) -> l
         for *_, pos, neg, noise, cond in inputs
     ]
     experts = model.transformers
-    for e, start, stop in expert_phases(
-        settings.num_steps, settings.shift, settings.boundary_ratio, len(experts)
-    ):
+    for e, start, stop in expert_phases(settings.num_steps, settings.shift, settings.routing, len(experts)):
         with gather([experts[e]]):
             for run in runs:
                 run.run_steps(experts, start, stop)

@@ -226,6 +226,11 @@ def model_spec(name: str) -> dict:
     return MODELS[name]
 
 
+def per_token_timesteps(spec: dict) -> bool:
+    """Whether the model of ``spec`` takes one timestep per token (Wan2.2 TI2V's ``expand_timesteps``)."""
+    return bool(spec.get("expand_timesteps", False))
+
+
 def _write_json(path: Path, data: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
@@ -258,7 +263,7 @@ def write_config_folder(name: str, dest: str | Path) -> Path:
         "_class_name": "WanPipeline",
         "_diffusers_version": diffusers.__version__,
         "boundary_ratio": spec.get("boundary_ratio"),
-        "expand_timesteps": spec.get("expand_timesteps", False),
+        "expand_timesteps": per_token_timesteps(spec),
         "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
         "text_encoder": ["transformers", "UMT5EncoderModel"],
         "tokenizer": ["transformers", "PreTrainedTokenizerFast"],

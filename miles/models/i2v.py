@@ -15,6 +15,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
+
+from miles.rollout.condition import ImageCondition
+
 TASKS = ("auto", "t2v", "i2v")
 
 
@@ -95,3 +99,33 @@ def check_i2v_run(path: Path, index: dict, mode: str | None, max_sequence_length
             f"{path}: the transformer takes CLIP image embeddings (image_dim {config['image_dim']}) but the "
             "folder has no image_encoder: use the complete Wan2.1-I2V -Diffusers folder"
         )
+
+
+@torch.no_grad()
+def encode_image_condition(
+    pipe, image, mode: str, *, num_frames: int, height: int, width: int, device: torch.device
+) -> ImageCondition:
+    """The condition of one image (a PIL image), batch 1, through the I2V pipeline's own steps:
+    ``encode_image`` (CLIP, where the transformer has ``image_dim``), ``video_processor.preprocess``
+    (resized to height x width) and ``prepare_latents`` (VAE encode, normalise, frame mask).
+
+    ``pipe`` is a ``WanImageToVideoPipeline`` (its config's ``expand_timesteps`` must match ``mode``).
+    """
+    if bool(pipe.config.expand_timesteps) != (mode == "first_frame"):
+        raise ValueError(
+            f"condition mode {mode!r} does not match expand_timesteps={pipe.config.expand_timesteps}"
+        )
+    transformer = pipe.transformer if pipe.transformer is not None else pipe.transformer_2
+    image_embeds = None
+    if transformer.config.image_dim is not None:
+        image_embeds = pipe.encode_image(image, device).float()  # (1, N, D)
+    pixels = pipe.video_processor.preprocess(image, height=height, width=width).to(
+        device, dtype=torch.float32
+    )
+    z = pipe.vae.config.z_dim
+    t, s = pipe.vae_scale_factor_temporal, pipe.vae_scale_factor_spatial
+    placeholder = torch.zeros(1, z, (num_frames - 1) // t + 1, height // s, width // s, device=device)
+    out = pipe.prepare_latents(
+        pixels, 1, z, height, width, num_frames, torch.float32, device, None, placeholder
+    )
+    return ImageCondition(mode=mode, latents=out[1].float(), image_embeds=image_embeds)

@@ -9,8 +9,9 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
+from miles.models.folder import read_json
 from miles.models.i2v import check_i2v_run, condition_mode
-from miles.models.wan import WanModel, check_wan_folder, read_json, read_model_index, resolve_model_path
+from miles.models.wan import WanModel, check_wan_folder, read_model_index, resolve_model_path
 
 __all__ = ["load_meta_model"]
 

@@ -3,29 +3,84 @@
 Covers Wan2.1 T2V (one expert), Wan2.2 TI2V-5B (one expert, 2-D timesteps) and Wan2.2 A14B
 (two experts: ``transformer`` for high noise, ``transformer_2`` for low noise, switched at
 ``boundary_ratio``), their image-to-video forms (Wan2.1-I2V, Wan2.2-I2V-A14B, TI2V-5B's image
-mode: ``miles.models.i2v``, ``miles.rollout.condition``), and the embedded tiny models. The text encoder and VAE are frozen and
-replicated on every rank; only the transformer(s) are trained, sharded and sequence-parallel.
+mode: ``miles.models.i2v``, ``miles.rollout.condition``), and the embedded tiny models. The text
+encoder and VAE are frozen and replicated on every rank; only the transformer(s) are trained,
+sharded and sequence-parallel. The run reaches it through the model-family seam
+(:mod:`miles.models.family`, :mod:`miles.models.wan_family`): :class:`WanModel` is the family's
+``FamilyModel``, :class:`WanRouting` its ``ExpertRouting``.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
-from miles.models.i2v import check_i2v_run, condition_mode, text_pipeline
+from miles.models.dtypes import DTYPES, text_encoder_dtype
+from miles.models.folder import read_json, read_pipeline_index
+from miles.models.i2v import check_i2v_run, condition_mode, encode_image_condition, text_pipeline
 from miles.models.tiny import tiny_model_path
+from miles.rollout.condition import ImageCondition
+from miles.rollout.sampler import NUM_TRAIN_TIMESTEPS
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-_WAN_PIPELINES = {"WanPipeline", "WanImageToVideoPipeline", "WanVideoToVideoPipeline"}
+EXPERT_FOLDERS = ("transformer", "transformer_2")  # high noise, low noise
+WAN_PIPELINES = frozenset({"WanPipeline", "WanImageToVideoPipeline", "WanVideoToVideoPipeline"})
+
+
+@dataclass(frozen=True)
+class WanRouting:
+    """How a Wan folder's experts are called (the family's ``ExpertRouting``): Wan2.2 A14B's
+    ``transformer`` (high noise) runs while t >= boundary_ratio·1000 and ``transformer_2`` below,
+    WanPipeline's rule; Wan2.2 TI2V (``expand_timesteps``) takes one timestep per token."""
+
+    boundary_ratio: float | None = None
+    expand_timesteps: bool = False
+
+    @property
+    def boundary_sigma(self) -> float | None:
+        """σ at which the low-noise expert takes over (t = 1000·σ)."""
+        return self.boundary_ratio
+
+    @property
+    def per_token_timesteps(self) -> bool:
+        return self.expand_timesteps
+
+    def expert_index(self, t: float | Tensor, num_experts: int) -> int:
+        """0 (``transformer``) when there is one expert or t >= boundary_ratio·1000, else 1
+        (``transformer_2``); t compared in fp32 as the pipeline compares its scheduler timestep."""
+        if num_experts == 1:
+            return 0
+        if num_experts != 2:
+            raise ValueError(f"Wan has 1 or 2 experts, got {num_experts}")
+        if self.boundary_ratio is None:
+            raise ValueError("two experts need a boundary_ratio (Wan2.2 A14B uses 0.875)")
+        t32 = torch.as_tensor(t, dtype=torch.float32)
+        return 0 if bool(t32 >= self.boundary_ratio * NUM_TRAIN_TIMESTEPS) else 1
+
+    def model_timestep(self, t: Tensor, x: Tensor, expert: nn.Module) -> Tensor:
+        """The timestep ``expert`` takes for samples' timesteps ``t`` (B,) at model input ``x``
+        (B, C, F, H, W): ``t`` itself, or with ``expand_timesteps`` one per token, (B, S)."""
+        if not self.expand_timesteps:
+            return t
+        pt, ph, pw = expert.config.patch_size
+        _, _, f, h, w = x.shape
+        return t[:, None].expand(-1, (f // pt) * (h // ph) * (w // pw))
+
+    def report(self, num_experts: int) -> dict:
+        """The run plan's fields (its JSON keys) and the dry run's words for them."""
+        return {
+            "boundary_ratio": self.boundary_ratio,
+            "expand_timesteps": self.expand_timesteps,
+            "expert_switch": f"boundary_ratio {self.boundary_ratio}" if num_experts == 2 else None,
+            "timestep_layout": "per-token timesteps" if self.expand_timesteps else None,
+        }
 
 
 @dataclass
 class WanModel:
-    """What the trainer needs of a loaded Wan pipeline."""
+    """What the trainer needs of a loaded Wan pipeline (the family's ``FamilyModel``)."""
 
     path: Path
     transformers: list[nn.Module]  # [high-noise expert, low-noise expert] or [the one]
@@ -35,6 +90,23 @@ class WanModel:
     condition_mode: str | None = None  # image-to-video: "concat" or "first_frame" (miles.rollout.condition)
     image_pipeline: object | None = None  # image-to-video: the WanImageToVideoPipeline sharing the modules
     text_encoder_offload: bool = False  # the text encoder lives on the CPU and visits the device to encode
+
+    @property
+    def routing(self) -> WanRouting:
+        return WanRouting(self.boundary_ratio, self.expand_timesteps)
+
+    @property
+    def expert_folders(self) -> tuple[str, ...]:
+        """The folder of each expert, in ``transformers`` order."""
+        return EXPERT_FOLDERS[: len(self.transformers)]
+
+    def calibrate_block_memory(
+        self, transformer: nn.Module, tokens: int, device, **options
+    ) -> dict[str, float]:
+        """:func:`calibrate_block_memory` of one of this model's experts, its timesteps shaped as the model's."""
+        return calibrate_block_memory(
+            transformer, tokens, device, per_token_timesteps=self.expand_timesteps, **options
+        )
 
     @property
     def num_attention_heads(self) -> int:
@@ -86,8 +158,6 @@ class WanModel:
     def encode_images(self, images: list, num_frames: int, height: int, width: int, device):
         """The image condition (``ImageCondition``) of PIL ``images``, one row each, each encoded
         alone (batch 1, as the I2V pipeline encodes it)."""
-        from miles.rollout.condition import ImageCondition, encode_image_condition
-
         if self.condition_mode is None:
             raise ValueError(f"{self.path} is a text-to-video model: it takes no image")
         size = dict(num_frames=num_frames, height=height, width=width, device=device)
@@ -95,6 +165,17 @@ class WanModel:
             encode_image_condition(self.image_pipeline, im, self.condition_mode, **size) for im in images
         ]
         return ImageCondition.cat(parts)
+
+    @torch.no_grad()
+    def encode_video(self, clip: Tensor, device) -> Tensor:
+        """Frames (F, 3, H, W) in [0, 1] -> normalised latents (C, F', H', W') fp32 on ``device``
+        (the mode of the VAE's latent distribution, as decode's inverse)."""
+        vae = self.pipeline.vae
+        x = (clip.permute(1, 0, 2, 3)[None] * 2.0 - 1.0).to(device, vae.dtype)  # (1, 3, F, H, W)
+        z = vae.encode(x).latent_dist.mode().float()  # (1, C, F', H', W')
+        mean = torch.tensor(vae.config.latents_mean, device=z.device).view(1, -1, 1, 1, 1)
+        std = torch.tensor(vae.config.latents_std, device=z.device).view(1, -1, 1, 1, 1)
+        return ((z - mean) / std)[0]
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
@@ -110,15 +191,6 @@ class WanModel:
         return ((video.float() / 2 + 0.5).clamp(0, 1)).permute(0, 2, 1, 3, 4).contiguous()
 
 
-def text_encoder_dtype(name: str, device_type: str) -> torch.dtype:
-    """``model.text_encoder_dtype`` on a device type: ``auto`` is bfloat16 on CUDA, float32 elsewhere."""
-    if name == "auto":
-        return torch.bfloat16 if device_type == "cuda" else torch.float32
-    if name not in DTYPES:
-        raise ValueError(f"model.text_encoder_dtype must be auto or one of {sorted(DTYPES)}, got {name!r}")
-    return DTYPES[name]
-
-
 def resolve_model_path(cfg) -> Path:
     """The model folder of ``cfg`` (the run's ``ModelConfig``, read by field: ``models/`` does not
     import the config): ``model.path``, or the embedded tiny model's folder, built on demand."""
@@ -129,18 +201,10 @@ def resolve_model_path(cfg) -> Path:
 
 def read_model_index(path: Path) -> dict:
     """``model_index.json`` of a diffusers Wan folder; a clear error if ``path`` is not one."""
-    index = path / "model_index.json"
-    if not path.is_dir():
-        raise ValueError(f"model.path {path} is not a folder; point it at a local diffusers Wan folder")
-    if not index.is_file():
+    info = read_pipeline_index(path)
+    if info.get("_class_name") not in WAN_PIPELINES:
         raise ValueError(
-            f"model.path {path} has no model_index.json: it is not a diffusers folder. Download e.g. "
-            "Wan-AI/Wan2.1-T2V-1.3B-Diffusers (the -Diffusers repos) and point model.path at it"
-        )
-    info = read_json(index)
-    if info.get("_class_name") not in _WAN_PIPELINES:
-        raise ValueError(
-            f"model.path {path} holds a {info.get('_class_name')}, not a Wan pipeline ({sorted(_WAN_PIPELINES)})"
+            f"model.path {path} holds a {info.get('_class_name')}, not a Wan pipeline ({sorted(WAN_PIPELINES)})"
         )
     return info
 
@@ -162,19 +226,6 @@ def transformer_config(path: Path) -> dict:
             f"model.path {path} lacks transformer/config.json: it is not a complete diffusers Wan folder"
         )
     return read_json(file)
-
-
-def read_json(file: Path) -> dict:
-    """A model folder's JSON file; a ``ValueError`` naming the file when it does not parse."""
-    try:
-        data = json.loads(file.read_text())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ValueError(
-            f"{file} is not valid JSON ({e}); restore it from the model's original files"
-        ) from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{file} holds a {type(data).__name__}, not a JSON object; restore it")
-    return data
 
 
 def load_wan(cfg, device: torch.device, experts: str = "load", seed: int = 0) -> WanModel:
@@ -206,7 +257,7 @@ def load_wan(cfg, device: torch.device, experts: str = "load", seed: int = 0) ->
         "vae": DTYPES[cfg.vae_dtype],
         "default": torch.float32,
     }
-    subs = [s for s in ("transformer", "transformer_2") if (info.get(s) or [None])[0] is not None]
+    subs = [s for s in EXPERT_FOLDERS if (info.get(s) or [None])[0] is not None]
     given = {}
     if experts == "skeleton" or cfg.init == "random":
         given = {s: build_skeleton(path, s) for s in subs}

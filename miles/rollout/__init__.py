@@ -1,11 +1,10 @@
-"""Rollout: the Flow-GRPO SDE step with log-probabilities and the Wan sampling loop."""
+"""Rollout: the Flow-GRPO SDE step with log-probabilities and the sampling loop (experts routed by the model family)."""
 
 from miles.rollout.sampler import (
     NUM_TRAIN_TIMESTEPS,
     Rollout,
     cfg_combine,
     compute_log_prob,
-    expert_index,
     flow_sigmas,
     initial_noise,
     predict_velocity,
@@ -20,7 +19,6 @@ __all__ = [
     "SDEStep",
     "cfg_combine",
     "compute_log_prob",
-    "expert_index",
     "flow_sigmas",
     "initial_noise",
     "ode_step",

@@ -9,12 +9,13 @@ Two ways to condition on a first frame:
   the channel axis: the model sees 16 + 4 + 16 = 36 channels and predicts 16. Every latent frame
   is generated (and trained on). Wan2.1-I2V also feeds CLIP image embeddings (the vision
   tower's penultimate hidden states) to its cross-attention's ``add_k_proj`` branch.
-- ``first_frame`` (Wan2.2-TI2V-5B's image mode, ``expand_timesteps``): the image alone is
+- ``first_frame`` (Wan2.2-TI2V-5B's image mode, per-token timesteps): the image alone is
   encoded to one latent frame that replaces the first latent frame of the model input, whose
   tokens get the timestep 0: the first frame is clean throughout. Here it is also kept clean
   in the sampler's state, and the SDE steps and their log-probabilities cover only the
   generated frames 1..F-1: the condition's tokens are never trained on.
 
+The model family encodes an image into its condition (Wan: ``miles.models.i2v.encode_image_condition``).
 A condition is computed once per prompt (with batch 1, as the pipeline encodes it) and
 repeated over the prompt's group: every sample of a group, and every denoising step, sees the
 same condition. Sequence parallelism needs nothing here: the channel concatenation and the
@@ -102,36 +103,6 @@ class ImageCondition:
 def generated(condition: ImageCondition | None, *tensors: Tensor) -> tuple[Tensor, ...]:
     """Each tensor's generated part (all of it without a condition)."""
     return tensors if condition is None else tuple(condition.generated(t) for t in tensors)
-
-
-@torch.no_grad()
-def encode_image_condition(
-    pipe, image, mode: str, *, num_frames: int, height: int, width: int, device: torch.device
-) -> ImageCondition:
-    """The condition of one image (a PIL image), batch 1, through the I2V pipeline's own steps:
-    ``encode_image`` (CLIP, where the transformer has ``image_dim``), ``video_processor.preprocess``
-    (resized to height x width) and ``prepare_latents`` (VAE encode, normalise, frame mask).
-
-    ``pipe`` is a ``WanImageToVideoPipeline`` (its config's ``expand_timesteps`` must match ``mode``).
-    """
-    if bool(pipe.config.expand_timesteps) != (mode == "first_frame"):
-        raise ValueError(
-            f"condition mode {mode!r} does not match expand_timesteps={pipe.config.expand_timesteps}"
-        )
-    transformer = pipe.transformer if pipe.transformer is not None else pipe.transformer_2
-    image_embeds = None
-    if transformer.config.image_dim is not None:
-        image_embeds = pipe.encode_image(image, device).float()  # (1, N, D)
-    pixels = pipe.video_processor.preprocess(image, height=height, width=width).to(
-        device, dtype=torch.float32
-    )
-    z = pipe.vae.config.z_dim
-    t, s = pipe.vae_scale_factor_temporal, pipe.vae_scale_factor_spatial
-    placeholder = torch.zeros(1, z, (num_frames - 1) // t + 1, height // s, width // s, device=device)
-    out = pipe.prepare_latents(
-        pixels, 1, z, height, width, num_frames, torch.float32, device, None, placeholder
-    )
-    return ImageCondition(mode=mode, latents=out[1].float(), image_embeds=image_embeds)
 
 
 def conditions_of(

@@ -22,8 +22,9 @@ recompute equals the rollout's log-prob bit for bit (fp32, CPU).
 - CFG is batched: one forward over [cond; uncond] (2B samples), then v = v_u + g·(v_c − v_u)
   in fp32. A step uses CFG iff negative embeddings are given and its expert's scale is > 1
   (diffusers' rule, applied per expert).
-- Wan2.2 experts: ``transformers[0]`` (``transformer``, high noise) runs while
-  t >= boundary_ratio·1000, ``transformers[1]`` (``transformer_2``) below — WanPipeline's rule.
+- Experts and timesteps: the model family's ``routing`` (:class:`miles.models.family.ExpertRouting`,
+  ``model.routing``) picks the expert of each timestep and shapes the timestep the expert takes
+  (one per sample, or one per token); None: one expert, one timestep per sample.
 
 Sampling can run in pieces: ``begin_sampling`` → ``SamplingRun.run_steps(transformers, i, j)``
 → ``SamplingRun.finish()`` is bitwise ``sample_with_logprob``; ``expert_phases`` gives each
@@ -121,21 +122,13 @@ def sde_step_indices(
     return list(range(count))
 
 
-def expert_index(t: float | Tensor, boundary_ratio: float | None, num_experts: int) -> int:
-    """Which expert denoises at timestep t: WanPipeline's rule, shared by rollout and training.
-
-    0 (``transformer``, high noise) when there is one expert or t >= boundary_ratio·1000,
-    else 1 (``transformer_2``, low noise). t is compared in fp32 as the pipeline compares its
-    fp32 scheduler timestep.
-    """
-    if num_experts == 1:
+def _expert(routing, t: Tensor, num_experts: int) -> int:
+    """The index of the expert that denoises at timestep ``t``: the family's routing decides."""
+    if routing is None:
+        if num_experts != 1:
+            raise ValueError(f"{num_experts} experts need the model family's routing (model.routing)")
         return 0
-    if num_experts != 2:
-        raise ValueError(f"Wan has 1 or 2 experts, got {num_experts}")
-    if boundary_ratio is None:
-        raise ValueError("two experts need a boundary_ratio (Wan2.2 A14B uses 0.875)")
-    t32 = torch.as_tensor(t, dtype=torch.float32)
-    return 0 if bool(t32 >= boundary_ratio * NUM_TRAIN_TIMESTEPS) else 1
+    return routing.expert_index(t, num_experts)
 
 
 def cfg_combine(v_cond: Tensor, v_uncond: Tensor, guidance_scale: float) -> Tensor:
@@ -159,17 +152,17 @@ def predict_velocity(
     prompt_embeds: Tensor,
     negative_embeds: Tensor | None,
     guidance_scales: float | Sequence[float],
-    boundary_ratio: float | None,
-    expand_timesteps: bool = False,
+    routing=None,
     condition: ImageCondition | None = None,
 ) -> Tensor:
     """The routed, guided velocity at timestep ``t`` (0-dim tensor) for latents (B, C, F, H, W), fp32.
 
-    ``expand_timesteps`` (Wan2.2 TI2V) gives the model one timestep per token, (B, S).
-    ``condition``: the image condition of image-to-video models (``miles.rollout.condition``):
-    it builds the model input and timestep and carries the image embeddings.
+    ``routing`` (the family's ``ExpertRouting``) picks the expert and shapes its timestep: (B,), or
+    one per token, (B, S). ``condition``: the image condition of image-to-video models
+    (``miles.rollout.condition``): it builds the model input and timestep and carries the image
+    embeddings.
     """
-    idx = expert_index(t, boundary_ratio, len(transformers))
+    idx = _expert(routing, t, len(transformers))
     model = transformers[idx]
     scale = _guidance_per_expert(guidance_scales, len(transformers))[idx]
     use_cfg = negative_embeds is not None and scale > 1.0
@@ -195,10 +188,8 @@ def predict_velocity(
     timestep = t.to(latents.device, torch.float32).expand(x.shape[0])
     if condition is not None:
         timestep = condition.timestep(timestep[0], x, model.config.patch_size, x.shape[0])
-    elif expand_timesteps:
-        pt, ph, pw = model.config.patch_size
-        _, _, f, h, w = x.shape
-        timestep = timestep[:, None].expand(-1, (f // pt) * (h // ph) * (w // pw))
+    elif routing is not None:
+        timestep = routing.model_timestep(timestep, x, model)
     extra = {} if image is None else {"encoder_hidden_states_image": image}  # Wan2.1-I2V only
     out = model(
         hidden_states=x, timestep=timestep, encoder_hidden_states=context, return_dict=False, **extra
@@ -297,12 +288,10 @@ def initial_noise(
     return noise.repeat_interleave(group_size, dim=0).to(device)
 
 
-def expert_phases(
-    num_steps: int, shift: float, boundary_ratio: float | None, num_experts: int
-) -> list[tuple[int, int, int]]:
+def expert_phases(num_steps: int, shift: float, routing, num_experts: int) -> list[tuple[int, int, int]]:
     """``(expert, start, stop)`` for each expert's run of denoising steps, in order, empty runs left
     out: a rollout that gathers one expert at a time runs every batch's ``start..stop - 1``."""
-    switch = expert_switch_step(num_steps, shift, boundary_ratio, num_experts)
+    switch = expert_switch_step(num_steps, shift, routing, num_experts)
     return [(e, a, b) for e, (a, b) in enumerate(((0, switch), (switch, num_steps))[:num_experts]) if a < b]
 
 
@@ -345,7 +334,7 @@ def begin_sampling(
     num_steps: int,
     shift: float,
     guidance_scales: float | Sequence[float],
-    boundary_ratio: float | None,
+    routing=None,
     noise_level: float,
     generator: torch.Generator | Sequence[torch.Generator],
     timestep_fraction: float = 1.0,
@@ -355,7 +344,6 @@ def begin_sampling(
     group_size: int | None = None,
     latents: Tensor | None = None,
     sde_steps: Sequence[int] | None = None,
-    expand_timesteps: bool = False,
     sde_type: str = "sde",
     record_means: bool = False,
     condition: ImageCondition | None = None,
@@ -364,6 +352,8 @@ def begin_sampling(
     """The state of a batch about to be denoised (initial noise drawn, SDE steps chosen).
 
     Args:
+        routing: the model family's ``ExpertRouting`` (``model.routing``); None: one expert, one
+            timestep per sample.
         prompt_embeds: (B, L, D) text embeddings, one row per sample (groups contiguous); they may
             live on the CPU (``device`` then says where to sample): each forward moves them.
         negative_embeds: (B, L, D) or (1, L, D) for CFG, or None for no CFG.
@@ -376,7 +366,6 @@ def begin_sampling(
         latents: initial noise to use instead of drawing it.
         sde_steps: the SDE step indices, chosen by the caller (then no window is drawn here). A
             distributed trainer picks them once for all ranks so expert routing matches everywhere.
-        expand_timesteps: per-token timesteps (Wan2.2 TI2V).
         sde_type: ``sde`` (Flow-GRPO's SDE), ``cps`` (coefficients-preserving sampling) or
             ``flow_grpo_wan`` (flow_grpo's Wan SDE; every step noisy once any step is recorded).
         record_means: also keep each SDE step's mean (``Rollout.means``, for GRPO-Guard's ratio).
@@ -406,10 +395,9 @@ def begin_sampling(
         steps=steps,
         x=x,
         guidance_scales=guidance_scales,
-        boundary_ratio=boundary_ratio,
+        routing=routing,
         noise_level=noise_level,
         generator=generator,
-        expand_timesteps=expand_timesteps,
         sde_type=sde_type,
         record_means=record_means,
         condition=condition,
@@ -434,10 +422,9 @@ class SamplingRun:
     steps: list[int]
     x: Tensor
     guidance_scales: float | Sequence[float]
-    boundary_ratio: float | None
+    routing: object  # the family's ExpertRouting, or None
     noise_level: float
     generator: torch.Generator | Sequence[torch.Generator]
-    expand_timesteps: bool
     sde_type: str
     record_means: bool
     condition: ImageCondition | None
@@ -477,8 +464,7 @@ class SamplingRun:
                 pos,
                 neg,
                 self.guidance_scales,
-                self.boundary_ratio,
-                self.expand_timesteps,
+                self.routing,
                 condition,
             )
             if i in recorded or all_noisy:
@@ -522,13 +508,13 @@ class SamplingRun:
         )
 
 
-def expert_switch_step(num_steps: int, shift: float, boundary_ratio: float | None, num_experts: int) -> int:
+def expert_switch_step(num_steps: int, shift: float, routing, num_experts: int) -> int:
     """The first denoising step the low-noise expert takes (``num_steps`` when it takes none):
     steps before it route to ``transformers[0]``, steps from it on to ``transformers[1]``
     (timesteps fall monotonically). Computed from the sampler's own fp32 schedule and routing rule."""
     timesteps = flow_sigmas(num_steps, shift) * NUM_TRAIN_TIMESTEPS
     for i in range(num_steps):
-        if expert_index(timesteps[i], boundary_ratio, num_experts) == 1:
+        if _expert(routing, timesteps[i], num_experts) == 1:
             return i
     return num_steps
 
@@ -540,9 +526,8 @@ def compute_log_prob(
     prompt_embeds: Tensor,
     negative_embeds: Tensor | None,
     guidance_scales: float | Sequence[float],
-    boundary_ratio: float | None,
+    routing,
     noise_level: float,
-    expand_timesteps: bool = False,
     sde_type: str = "sde",
     condition: ImageCondition | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -560,8 +545,7 @@ def compute_log_prob(
         prompt_embeds,
         negative_embeds,
         guidance_scales,
-        boundary_ratio,
-        expand_timesteps,
+        routing,
         condition,
     )
     v, latents, next_latents = generated(condition, v, rollout.latents[:, k], rollout.next_latents[:, k])

@@ -17,7 +17,8 @@ from tqdm import tqdm
 from miles.algorithms import Algorithm, Policy
 from miles.config import Config
 from miles.data.prompts import GroupSampler, Prompt
-from miles.models.wan import DTYPES, WanModel
+from miles.models.dtypes import DTYPES
+from miles.models.family import FamilyModel
 from miles.parallel.fsdp import unsharded_for_rollout
 from miles.rollout.batch import MicroBatch, RolloutBatch
 from miles.rollout.condition import conditions_of
@@ -70,7 +71,7 @@ class Collector:
     """What collecting a rollout needs of the run; :meth:`collect` samples the next prompt groups."""
 
     cfg: Config
-    model: WanModel
+    model: FamilyModel
     algorithm: Algorithm
     policy: Policy
     prompts: list[Prompt]
@@ -123,12 +124,11 @@ class Collector:
                     num_steps=r.num_steps,
                     shift=r.shift,
                     guidance_scales=guidance_scales(r, len(self.model.transformers)),
-                    boundary_ratio=self.model.boundary_ratio,
+                    routing=self.model.routing,
                     noise_level=r.noise_level,
                     generator=sde_gens[sl],
                     latents=init_noise[sl].to(self.device),
                     sde_steps=sde_steps,
-                    expand_timesteps=self.model.expand_timesteps,
                     sde_type=r.sde_type,
                     record_means=self.algorithm.records_means,
                     condition=condition,
@@ -175,7 +175,7 @@ class Collector:
         same as sampling each micro-batch start to finish (``SamplingRun``)."""
         cfg, r = self.cfg, self.cfg.rollout
         experts = self.algorithm.rollout_transformers(self.policy)
-        phases = expert_phases(r.num_steps, r.shift, self.model.boundary_ratio, len(experts))
+        phases = expert_phases(r.num_steps, r.shift, self.model.routing, len(experts))
         for phase, (e, start, stop) in enumerate(phases):
             with (
                 unsharded_for_rollout(

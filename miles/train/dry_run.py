@@ -37,8 +37,8 @@ B = the micro batch ``train.micro_batch_size`` x 2 with CFG — cond and uncond 
 
   none       a = (52 + 9·b)·D + 2·F·b; compiled blocks (``model.compile``): a = 18·b·D + 2·F·b
              (measured on an H200 at the 1.3B and 5B shapes: 36.2·D + 4·F bytes a token in bf16,
-             eager 54·D + 4·F); eager blocks keep 32·D more with per-token timesteps (Wan2.2 TI2V
-             ``expand_timesteps``: the fp32 shift/scale/gate products of the bf16 (B, S, 6, D)
+             eager 54·D + 4·F); eager blocks keep 32·D more with per-token timesteps (Wan2.2 TI2V:
+             the fp32 shift/scale/gate products of the bf16 (B, S, 6, D)
              modulation input are per token); compiled blocks recompute them from that input,
              which the model holds once for all blocks (saved-tensor accounting of a whole model)
   selective  a = (9.3·D + F)·b     (+ one block's "none" while it recomputes)
@@ -144,14 +144,14 @@ def format_report(rep: RunPlan | dict[str, Any]) -> str:
         rep = rep.report()
     m, mesh = rep["model"], rep["mesh"]
     experts = f"{m['num_experts']} x {m['transformer_class']}"
-    if m["num_experts"] == 2:
-        experts += f", boundary_ratio {m['boundary_ratio']}"
+    if m["expert_switch"]:
+        experts += f", {m['expert_switch']}"
     lines = [
         "miles dry run: no GPU, no torch.distributed, no weights loaded",
         f"model     {m['path']} ({m['pipeline']}: {experts})",
         f"          {m['num_attention_heads']} heads x {m['attention_head_dim']} = hidden {m['hidden_size']}, "
         f"{m['num_layers']} layers, ffn {m['ffn_dim']}, text_dim {m['text_dim']}, patch {tuple(m['patch_size'])}"
-        + (", per-token timesteps" if m["expand_timesteps"] else "")
+        + (f", {m['timestep_layout']}" if m["timestep_layout"] else "")
         + (f"; image-to-video ({m['image_condition']} image condition)" if m["image_condition"] else ""),
         f"world     {rep['world_size']} ranks ({rep['world_size_source']})",
         f"mesh      dp {mesh['dp']} x sp {mesh['sp']} (ulysses {mesh['ulysses']} x ring {mesh['ring']}); "

@@ -1,7 +1,8 @@
-"""Export the trained transformer(s) as a diffusers folder that ``WanPipeline.from_pretrained`` loads.
+"""Export the trained transformer(s) as a diffusers folder that the model's pipeline class loads.
 
     run_dir/export/pipeline/     full fine-tune: the whole pipeline with the trained transformer(s)
     run_dir/export/lora/<expert>/  LoRA: the adapter of each expert (diffusers LoRA format)
+                                 (<expert>: the model family's expert folders, Wan: transformer, transformer_2)
     run_dir/export/merged/       LoRA: the pipeline with the adapters merged into the weights
 
 Streaming: one expert at a time, one tensor at a time. Every rank gathers each (FSDP2-sharded)
@@ -36,8 +37,9 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from miles.config import Config
+from miles.models.dtypes import DTYPES
+from miles.models.family import family_of
 
-EXPERT_NAMES = ("transformer", "transformer_2")
 WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
 MAX_SHARD_BYTES = 10 * 10**9  # diffusers' save_pretrained default ("10GB")
 _ST_DTYPES = {
@@ -59,8 +61,6 @@ class ExportWriteError(RuntimeError):
 
 
 def _dtype(cfg: Config) -> torch.dtype:
-    from miles.models.wan import DTYPES
-
     return DTYPES[cfg.model.dtype]
 
 
@@ -68,16 +68,20 @@ def export_pipeline(cfg: Config, model_path: Path, experts: list[nn.Module], out
     """Collective (every rank gathers, tensor by tensor); rank 0 writes ``out_dir``. Returns the
     folder on rank 0, None elsewhere. A write error on rank 0 is raised after the last gather, so the
     other ranks never wait on it."""
-    out_dir = Path(out_dir)
+    out_dir, family = Path(out_dir), family_of(model_path)
     writer = _Writer(out_dir) if dist.get_rank() == 0 else None
-    for name, expert in zip(EXPERT_NAMES, experts):
+    for name, expert in zip(family.expert_folders, experts):
         if cfg.model.lora_rank > 0:
-            _export_lora_expert(cfg, Path(model_path), name, expert, writer)
+            _export_lora_expert(cfg, Path(model_path), name, expert, writer, family)
         else:
             _write_transformer(writer, name, expert, _trained_tensors(expert, _dtype(cfg)), model_path)
     if writer is None:
         return None
-    writer.run(lambda: _link_components(Path(model_path), writer.tmp / writer.pipeline_dir(cfg)))
+    writer.run(
+        lambda: _link_components(
+            Path(model_path), writer.tmp / writer.pipeline_dir(cfg), family.expert_folders
+        )
+    )
     writer.finish()
     return out_dir
 
@@ -252,7 +256,7 @@ def write_safetensors(
         run(f.close)
 
 
-def _link_components(model_path: Path, pipeline: Path) -> None:
+def _link_components(model_path: Path, pipeline: Path, expert_folders: tuple[str, ...]) -> None:
     """``model_index.json`` and every component folder but the experts, hard-linked from the model
     folder (copied where linking fails or the file's mode is not the one the umask grants)."""
     index = json.loads((model_path / "model_index.json").read_text())
@@ -262,7 +266,7 @@ def _link_components(model_path: Path, pipeline: Path) -> None:
     pipeline.mkdir(parents=True, exist_ok=True)
     _link(model_path / "model_index.json", pipeline / "model_index.json")
     for name in names:
-        if name in EXPERT_NAMES or not (model_path / name).is_dir():
+        if name in expert_folders or not (model_path / name).is_dir():
             continue
         for src in sorted((model_path / name).rglob("*")):
             dst = pipeline / name / src.relative_to(model_path / name)
@@ -286,14 +290,14 @@ def _link(src: Path, dst: Path) -> None:
     shutil.copyfile(src, dst)
 
 
-def _export_lora_expert(cfg: Config, model_path: Path, name: str, expert: nn.Module, writer) -> None:
+def _export_lora_expert(cfg: Config, model_path: Path, name: str, expert: nn.Module, writer, family) -> None:
     """LoRA: gather the adapters only (every rank), save them in diffusers' LoRA format, then (rank 0)
     the merged transformer, tensor by tensor from the base files. With ``model.init random`` there
     are no base files: the base tensors are gathered from the model instead (every rank)."""
     state = get_model_state_dict(expert)
     adapters = {k: _full(t) for k, t in state.items() if ".lora_" in k}
     if writer is not None:
-        writer.run(_save_adapter, writer.tmp / "lora" / name, expert, adapters)
+        writer.run(_save_adapter, family, writer.tmp / "lora" / name, expert, adapters)
     from_files = cfg.model.init != "random"
     if from_files and writer is None:
         return  # rank 0 reads the base files alone
@@ -324,11 +328,10 @@ def _export_lora_expert(cfg: Config, model_path: Path, name: str, expert: nn.Mod
     _write_transformer(writer, name, expert, plan, model_path)
 
 
-def _save_adapter(folder: Path, expert: nn.Module, adapters: dict[str, torch.Tensor]) -> None:
-    from diffusers import WanPipeline
+def _save_adapter(family, folder: Path, expert: nn.Module, adapters: dict[str, torch.Tensor]) -> None:
     from peft import get_peft_model_state_dict
 
-    WanPipeline.save_lora_weights(
+    family.save_lora_weights(
         folder,
         transformer_lora_layers=get_peft_model_state_dict(expert, state_dict=adapters),
         # alpha / rank travel with the adapter, or loading assumes scale 1
@@ -421,15 +424,15 @@ def readable_by_umask(folder: Path) -> None:
 
 
 def _write_gathered(cfg: Config, model_path: Path, states: list[dict], out_dir: Path) -> None:
-    from diffusers import DiffusionPipeline, WanPipeline
+    from diffusers import DiffusionPipeline
 
-    dtype = _dtype(cfg)
+    dtype, family = _dtype(cfg), family_of(model_path)
     tmp = out_dir.with_name(out_dir.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     # the folder's own pipeline class: an image-to-video folder keeps its image encoder
     pipe = DiffusionPipeline.from_pretrained(model_path, local_files_only=True, dtype=torch.float32)
-    for name, state in zip(EXPERT_NAMES, states):
+    for name, state in zip(family.expert_folders, states):
         transformer = getattr(pipe, name)
         if cfg.model.lora_rank > 0:
             from peft import get_peft_model_state_dict
@@ -438,7 +441,7 @@ def _write_gathered(cfg: Config, model_path: Path, states: list[dict], out_dir: 
 
             transformer.add_adapter(lora_config(cfg.model))
             transformer.load_state_dict(state, strict=True)
-            WanPipeline.save_lora_weights(
+            family.save_lora_weights(
                 tmp / "lora" / name,
                 transformer_lora_layers=get_peft_model_state_dict(transformer),
                 # alpha / rank travel with the adapter, or loading assumes scale 1

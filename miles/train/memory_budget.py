@@ -191,7 +191,7 @@ class ResidentMemory:
         (which resolves ``model.text_encoder_dtype: auto``); ``reward_bytes``: the loaded reward
         models' bytes on the device."""
         from miles.algorithms import build_algorithm
-        from miles.models.wan import text_encoder_dtype
+        from miles.models.dtypes import text_encoder_dtype
 
         if shard_size < 1:
             raise ValueError(f"shard_size must be >= 1, got {shard_size}")
@@ -355,7 +355,7 @@ def cfg_factor(cfg, num_experts: int) -> int:
 
 
 def rollout_shape(cfg, model, sp: int, num_sde_steps: int) -> RolloutShape:
-    """One rank's :class:`RolloutShape` for ``model`` (a ``WanModel``, loaded or meta) at sp ``sp``."""
+    """One rank's :class:`RolloutShape` for ``model`` (a ``FamilyModel``, loaded or meta) at sp ``sp``."""
     r = cfg.rollout
     return RolloutShape(
         tokens_per_rank=-(-model.num_tokens(r.num_frames, r.height, r.width) // sp),

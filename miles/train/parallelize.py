@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from miles.models.dtypes import DTYPES
+from miles.models.family import FamilyModel
 from miles.models.lora import lora_config
 from miles.models.sharded_load import (
     RandomInit,
@@ -27,7 +29,6 @@ from miles.models.sharded_load import (
     copy_local_shards,
     materialize,
 )
-from miles.models.wan import DTYPES, WanModel, calibrate_block_memory
 from miles.parallel.checkpointing import checkpoint_modes
 from miles.parallel.compile import resolve_compile
 from miles.parallel.fsdp import apply_fsdp
@@ -85,7 +86,7 @@ def parallelize_expert(
 
 
 def parallelize(
-    model: WanModel,
+    model: FamilyModel,
     plan: RunPlan,
     mesh: ParallelMesh,
     device: torch.device,
@@ -94,7 +95,7 @@ def parallelize(
     uses_old_policy: bool = False,
     uses_reference: bool = False,
 ) -> ParallelExperts:
-    """Wrap ``model``'s experts (meta skeletons from ``load_wan(experts="skeleton")``) as the run
+    """Wrap ``model``'s experts (meta skeletons from the family's ``load(..., experts="skeleton")``) as the run
     plan says, load each rank's shards, and build the old policy's and the reference's copies.
     ``resident``: the per-rank memory terms the activation checkpointing budget fits around,
     computed once the adapters are installed (they count in the blocks FSDP gathers)."""
@@ -133,14 +134,13 @@ class _Parallelizer:
             return checkpoint_modes("selective", n)
         # The calibration's random inputs must not move the RNG the LoRA adapters are drawn from.
         with torch.random.fork_rng(devices=[self.device]):
-            block_bytes = calibrate_block_memory(
+            block_bytes = self.model.calibrate_block_memory(
                 transformer,
                 -(-self.num_tokens // self.plan.dims.sp),
                 self.device,
                 batch=2 * self.cfg.train.micro_batch_size,  # CFG doubles the batch
                 dtype=self.compute_dtype or torch.float32,
                 compiled=self.compile_blocks,
-                per_token_timesteps=self.model.expand_timesteps,
             )
         modes = checkpoint_modes("budget", n, left, block_bytes)
         print0(
@@ -168,7 +168,7 @@ class _Parallelizer:
         for transformer in self.model.transformers:
             transformer.train()
             self._shard(transformer, checkpointing=True, **trained)
-        for i, (transformer, sub) in enumerate(zip(self.model.transformers, self._expert_folders())):
+        for i, (transformer, sub) in enumerate(zip(self.model.transformers, self.model.expert_folders)):
             if cfg.model.init == "random":
                 source = RandomInit(seed=cfg.run.seed, salt=sub)
             else:
@@ -187,15 +187,12 @@ class _Parallelizer:
             ]
         return ParallelExperts(policy=list(self.model.transformers), old=old, reference=reference)
 
-    def _expert_folders(self) -> list[str]:
-        return ["transformer", "transformer_2"][: len(self.model.transformers)]
-
     def _sharded_copy(
         self, i: int, lora: bool, dtype: torch.dtype | None = None, **fsdp_options
     ) -> nn.Module:
         """A copy of expert ``i``: a skeleton (with the same adapters when ``lora``), sharded like the
         expert, filled with its local shards (in ``dtype``, default the expert's own dtypes)."""
-        copy_ = build_skeleton(self.model.path, self._expert_folders()[i])
+        copy_ = build_skeleton(self.model.path, self.model.expert_folders[i])
         if not lora:
             copy_.requires_grad_(False)
         elif self.cfg.model.lora_rank > 0:

@@ -29,9 +29,9 @@ from torch import nn
 
 from miles.config import Config, ConfigError, check_reward_names, config_warnings
 from miles.data.prompts import TINY_PROMPTS, GroupSampler, Prompt, check_prompt_images, load_prompts
+from miles.models.dtypes import DTYPES
+from miles.models.family import FamilyModel, ModelFamily, family_of, model_folder
 from miles.models.fingerprint import model_fingerprint
-from miles.models.meta import load_meta_model
-from miles.models.wan import DTYPES, WanModel
 from miles.parallel.compile import resolve_compile
 from miles.parallel.topology import ParallelDims, valid_ulysses_degrees
 from miles.parallel.topology_checks import check_ulysses_within_node, local_world_size_from_env
@@ -110,7 +110,8 @@ class RunPlan:
     world_size_source: str
     local_world_size: int | None
     device_type: str
-    model: WanModel
+    family: ModelFamily
+    model: FamilyModel
     index: dict
     dims: ParallelDims
     attention_backend: str | None
@@ -145,8 +146,7 @@ class RunPlan:
                 "pipeline": self.index.get("_class_name"),
                 "transformer_class": type(m.transformers[0]).__name__,
                 "num_experts": len(m.transformers),
-                "boundary_ratio": m.boundary_ratio,
-                "expand_timesteps": m.expand_timesteps,
+                **m.routing.report(len(m.transformers)),
                 "image_condition": m.condition_mode,
                 "num_attention_heads": m.num_attention_heads,
                 "attention_head_dim": tcfg.attention_head_dim,
@@ -191,7 +191,8 @@ def plan_run(
     if local_world_size is None:
         local_world_size, local_source = local_world_size_from_env(), "environment"
     try:
-        model, index, warnings = load_meta_model(cfg, strict=strict)
+        family = family_of(model_folder(cfg.model))
+        model, index, warnings = family.load_meta(cfg, strict=strict)
     except ValueError as e:
         raise PlanError(str(e)) from None
     dims, mesh = _mesh_report(cfg, model.num_attention_heads, world_size, world_source, local_world_size)
@@ -210,10 +211,11 @@ def plan_run(
         shape,
         model.transformers[0].config.num_layers,
         device_type,
-        per_token_timesteps=model.expand_timesteps,
+        per_token_timesteps=model.routing.per_token_timesteps,
     )
     return RunPlan(
         cfg=cfg,
+        family=family,
         world_size=world_size,
         world_size_source=world_source,
         local_world_size=local_world_size,

@@ -28,8 +28,8 @@ from pathlib import Path
 import torch.distributed as dist
 
 from miles.config import Config
+from miles.models.family import model_folder
 from miles.models.fingerprint import check_base_model, model_fingerprint
-from miles.models.wan import resolve_model_path
 from miles.train.checkpoint import checkpoint_problem, digest_problem, list_checkpoints
 from miles.train.logging import print0
 
@@ -89,7 +89,7 @@ def _saved_state(path: Path) -> dict | None:
 
 def current_fingerprint(cfg: Config) -> dict | None:
     """This launch's model folder fingerprint (None: the folder does not exist yet)."""
-    path = resolve_model_path(cfg.model)
+    path = model_folder(cfg.model)
     return model_fingerprint(path) if path.is_dir() else None
 
 

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from miles.config import Config
 from miles.eval.videos import to_uint8
 from miles.grpo.advantages import group_advantages
-from miles.models.wan import WanModel
+from miles.models.family import FamilyModel
 from miles.parallel.topology import ParallelMesh
 from miles.rewards.shaping import shaped_reward
 from miles.rollout.batch import RolloutBatch, Scores
@@ -22,7 +22,7 @@ class NonFiniteError(RuntimeError):
     """A reward, loss or gradient norm that is NaN or inf: the run stops, keeping the last good checkpoint."""
 
 
-def _score_inputs(model: WanModel, batch: RolloutBatch, sl: slice) -> tuple:
+def _score_inputs(model: FamilyModel, batch: RolloutBatch, sl: slice) -> tuple:
     """What the rewards score a micro-batch's videos against: its prompts, and for
     image-to-video its given first frames (rewards may check consistency with them)."""
     if model.condition_mode is None:
@@ -35,7 +35,7 @@ def score(
     rewards,
     *,
     cfg: Config,
-    model: WanModel,
+    model: FamilyModel,
     mesh: ParallelMesh,
     device: torch.device,
     keep_videos: bool = False,

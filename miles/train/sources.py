@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from miles.data.videos import VideoItem, load_clip, read_video_jsonl
-from miles.models.wan import DTYPES
+from miles.models.dtypes import DTYPES
 from miles.rollout.batch import MicroBatch, RolloutBatch, Scores
 from miles.rollout.condition import conditions_of
 from miles.train.collect import Collector, micro_slices, step_major_order
@@ -71,14 +71,10 @@ class VideoSource:
     def encode(self, item: VideoItem) -> Tensor:
         """The normalised latents (C, F', H', W') fp32 on the CPU of ``item``'s clip."""
         c, r = self.collector, self.collector.cfg.rollout
-        vae = c.model.pipeline.vae
         clip = load_clip(item, r.num_frames, r.height, r.width)  # (F, 3, H, W) in [0, 1]
-        x = (clip.permute(1, 0, 2, 3)[None] * 2.0 - 1.0).to(c.device, vae.dtype)  # (1, 3, F, H, W)
-        z = vae.encode(x).latent_dist.mode().float()
-        mean = torch.tensor(vae.config.latents_mean, device=z.device).view(1, -1, 1, 1, 1)
-        std = torch.tensor(vae.config.latents_std, device=z.device).view(1, -1, 1, 1, 1)
+        z = c.model.encode_video(clip, c.device)
         self.num_encoded += 1
-        return ((z - mean) / std)[0].cpu()
+        return z.cpu()
 
     def latents(self, index: int) -> Tensor:
         """Item ``index``'s latents, from the cache where it holds them."""

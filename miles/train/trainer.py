@@ -29,7 +29,7 @@ from miles.config import Config, to_dict
 from miles.data.prompts import GroupSampler
 from miles.eval import evaluate, summarize, write_eval
 from miles.eval.evaluate import eval_settings, grid_caption
-from miles.models.wan import WanModel, load_wan
+from miles.models.family import FamilyModel
 from miles.parallel.fsdp import unsharded_for_rollout
 from miles.parallel.topology import build_parallel_mesh
 from miles.parallel.topology_checks import local_world_size_from_env
@@ -109,7 +109,9 @@ class Trainer:
         # read every JSON and safetensors header, naming a broken or truncated file before any weights load.
         self.model_fingerprint = self.plan.model_fingerprint
         # The transformers come as meta skeletons: _parallelize shards them, then loads each rank's shards.
-        self.model: WanModel = load_wan(cfg.model, self.device, experts="skeleton", seed=cfg.run.seed)
+        self.model: FamilyModel = self.plan.family.load(
+            cfg.model, self.device, experts="skeleton", seed=cfg.run.seed
+        )
         self.prompt_cache = PromptCache(
             self.model.pipeline,
             negative_prompt=cfg.data.negative_prompt,
@@ -147,8 +149,7 @@ class Trainer:
         self.policy = Policy(
             transformers=self.model.transformers,
             guidance_scales=guidance_scales(cfg.rollout, len(self.model.transformers)),
-            boundary_ratio=self.model.boundary_ratio,
-            expand_timesteps=self.model.expand_timesteps,
+            routing=self.model.routing,
             reference=self._reference_experts if self.algorithm.uses_reference else None,
             generator=self._generator,
             old=self.old_policy,

@@ -42,9 +42,7 @@ def _velocity_and_grads(transformers, x, t, pos, neg, condition, weight, model):
     for m in transformers:
         m.zero_grad(set_to_none=True)
     scales = [4.0] * len(transformers)
-    v = predict_velocity(
-        transformers, x, t, pos, neg, scales, model.boundary_ratio, model.expand_timesteps, condition
-    )
+    v = predict_velocity(transformers, x, t, pos, neg, scales, model.routing, condition)
     (v * weight).sum().backward()
     grads = {
         f"{i}.{n}": p.grad.clone()

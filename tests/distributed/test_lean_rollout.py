@@ -75,12 +75,11 @@ def _old_rollout(trainer, sampler_state: dict) -> list[dict]:
                 num_steps=r.num_steps,
                 shift=r.shift,
                 guidance_scales=guidance_scales(r, 2),
-                boundary_ratio=trainer.model.boundary_ratio,
+                routing=trainer.model.routing,
                 noise_level=r.noise_level,
                 generator=sde_gens[sl],
                 latents=init_noise[sl].to(trainer.device),
                 sde_steps=sde_steps,
-                expand_timesteps=trainer.model.expand_timesteps,
                 sde_type=r.sde_type,
                 record_means=trainer.algorithm.records_means,
             )
@@ -120,7 +119,7 @@ def _body(rank, world_size, out_dir):
     )
     trainer = Trainer(cfg)
     r = cfg.rollout
-    assert expert_phases(r.num_steps, r.shift, trainer.model.boundary_ratio, 2) == [(0, 0, 2), (1, 2, 6)]
+    assert expert_phases(r.num_steps, r.shift, trainer.model.routing, 2) == [(0, 0, 2), (1, 2, 6)]
     experts = trainer.algorithm.rollout_transformers(trainer.policy)
     seen = _watch_sharding(experts)
     state = trainer.sampler.state_dict()

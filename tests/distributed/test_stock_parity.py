@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from miles.models.tiny import TINY_TRANSFORMER
+from miles.models.wan import WanRouting
 from miles.parallel.topology import ParallelDims, build_parallel_mesh
 from miles.rollout.sampler import predict_velocity
 from miles.train.parallelize import parallelize_expert
@@ -72,7 +73,7 @@ def _body(rank: int, world_size: int, folder: str, seed: int) -> None:
             for t in TIMESTEPS:
                 t32 = torch.tensor(t, dtype=torch.float32)
                 for expand in (False, True):
-                    got = predict_velocity([model], latents, t32, text, None, 1.0, None, expand)
+                    got = predict_velocity([model], latents, t32, text, None, 1.0, WanRouting(None, expand))
                     ts = t32.expand(1) if not expand else t32.expand(1, num_tokens)
                     want = stock(latents.to(BF16), ts, text.to(BF16), return_dict=False)[0].float()
                     diff = (got - want).abs().max().item()

@@ -102,7 +102,6 @@ def test_fp8_rollout_through_the_trainer_wrapping():
         num_steps=6,
         shift=3.0,
         guidance_scales=[5.0],
-        boundary_ratio=None,
         noise_level=0.7,
         latents=init,
         sde_steps=[0, 1, 2],

@@ -76,7 +76,7 @@ def test_cps_rollout_recompute_is_exact():
     model = _Linear()
     embeds = torch.zeros(2, 3, 4)
     ro = sample_with_logprob(
-        [model], embeds, None, (2, 3, 4, 4), num_steps=6, shift=3.0, guidance_scales=1.0, boundary_ratio=None,
+        [model], embeds, None, (2, 3, 4, 4), num_steps=6, shift=3.0, guidance_scales=1.0,
         noise_level=0.7, generator=torch.Generator().manual_seed(0), sde_type="cps",
     )  # fmt: skip
     for k in range(ro.num_sde_steps):

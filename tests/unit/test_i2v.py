@@ -21,7 +21,7 @@ from miles.config import ModelConfig
 from miles.data.prompts import check_prompt_images, load_image, load_prompts
 from miles.eval.evaluate import EvalSettings, sample_with_scheduler
 from miles.models.i2v import condition_mode
-from miles.models.wan import check_wan_folder, load_wan, run_condition_mode
+from miles.models.wan import WanRouting, check_wan_folder, load_wan, run_condition_mode
 from miles.rollout.sampler import compute_log_prob, sample_with_logprob
 
 PROMPTS = ["a red ball", "a blue cube rolling"]
@@ -81,8 +81,7 @@ def _settings(model, guidance: float, steps: int = 3) -> EvalSettings:
         num_steps=steps,
         shift=3.0,
         guidance_scales=[guidance] * len(model.transformers),
-        boundary_ratio=model.boundary_ratio,
-        expand_timesteps=model.expand_timesteps,
+        routing=model.routing,
         micro_batch_size=2,
         seed=0,
         sampler="pipeline",
@@ -165,7 +164,7 @@ def test_rollout_log_probs_recompute_exactly_and_skip_the_clean_frame(model):
     condition = model.encode_images([_image(0), _image(1)], FRAMES, SIZE, SIZE, "cpu")
     pos, neg = model.encode_prompts(PROMPTS, "", TEXT_TOKENS, "cpu")
     noise = torch.randn(2, *shape, generator=torch.Generator().manual_seed(0))
-    common = dict(guidance_scales=[4.0] * n, boundary_ratio=model.boundary_ratio, noise_level=0.7)
+    common = dict(guidance_scales=[4.0] * n, routing=model.routing, noise_level=0.7)
     ro = sample_with_logprob(
         model.transformers,
         pos,
@@ -176,7 +175,6 @@ def test_rollout_log_probs_recompute_exactly_and_skip_the_clean_frame(model):
         generator=[torch.Generator().manual_seed(s) for s in (1, 2)],
         latents=noise,
         sde_steps=[0, 1, 2],
-        expand_timesteps=model.expand_timesteps,
         record_means=True,
         condition=condition,
         **common,
@@ -191,7 +189,6 @@ def test_rollout_log_probs_recompute_exactly_and_skip_the_clean_frame(model):
             k,
             pos,
             neg,
-            expand_timesteps=model.expand_timesteps,
             condition=condition,
             **common,
         )
@@ -436,8 +433,7 @@ def test_diffusion_nft_loss_skips_the_clean_first_frame():
     policy = Policy(
         transformers=model.transformers,
         guidance_scales=[4.0],
-        boundary_ratio=None,
-        expand_timesteps=True,
+        routing=WanRouting(None, expand_timesteps=True),
         reference=None,
         generator=_generator,
         old=OldPolicy(old, model.transformers),
@@ -457,7 +453,7 @@ def test_diffusion_nft_loss_skips_the_clean_first_frame():
     with torch.no_grad():
         for sigma, noise in zip(sigmas, noises):
             x_t = (1 - sigma) * x0 + sigma * noise
-            args = (x_t, sigma * 1000, pos, None, [4.0], None, True, condition)
+            args = (x_t, sigma * 1000, pos, None, [4.0], WanRouting(None, expand_timesteps=True), condition)
             v, v_old = predict_velocity(model.transformers, *args), predict_velocity(old, *args)
             frames = [t[:, :, 1:] for t in (v, v_old, x_t, x0)]
             per_level.append(5.0 * nft_loss(*frames, sigma, r, 1.0)[0].mean())

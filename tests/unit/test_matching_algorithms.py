@@ -196,7 +196,7 @@ def _setup(section: dict, name: str):
     def generator(*parts):
         return torch.Generator().manual_seed(hash(parts) & 0x7FFF_FFFF)
 
-    policy = Policy([trained], [1.0], None, False, ref, generator, SimpleNamespace(transformers=[old]))
+    policy = Policy([trained], [1.0], None, ref, generator, SimpleNamespace(transformers=[old]))
     g = torch.Generator().manual_seed(9)
     n = 8  # two groups of 4, in micro-batches of 3, 3, 2 (a group spans micro-batches)
     x0 = torch.randn(n, 2, 1, 2, 2, generator=g)
@@ -382,3 +382,35 @@ def test_online_dpo_without_rewards_pairs_by_advantage_and_refuses_a_margin():
     with_rewards = algo._pairs(batch, chunks)
     batch.rewards = None
     assert algo._pairs(batch, chunks) == with_rewards  # margin 0: only the advantages' order counts
+
+
+@pytest.mark.parametrize(
+    "name, section, metric, uses_old",
+    [
+        ("awm", {"ema_kl_beta": 1.0, "ema_decay_rate": 0.02, "ema_decay_max": 0.1}, "ema_decay", True),
+        ("awm", {"ema_kl_beta": 0.0}, "ema_decay", False),
+        ("dgpo", {"clip_range": 1e-3, "old_decay_rate": 0.02, "old_decay_max": 0.1}, "old_decay", True),
+    ],
+)
+def test_lagging_copy_moves_after_each_rollout(name, section, metric, uses_old):
+    """AWM's EMA copy and DGPO's old copy (``OnPolicyMatching``): after a rollout the copy moves by
+    min(rate·step, max) of its config section, logged under the algorithm's name; ODE rollouts of
+    the trained weights."""
+    from types import SimpleNamespace
+
+    from miles.config import AWMConfig, DGPOConfig
+
+    config = {"awm": AWMConfig, "dgpo": DGPOConfig}[name](**section)
+    algo, policy, *_ = _setup({name: config}, name)
+    moved = []
+    policy.old = SimpleNamespace(soft_update=moved.append)
+    assert (
+        algo.sde_steps(8, torch.Generator()) == []
+        and algo.rollout_transformers(policy) == policy.transformers
+    )
+    for step, decay in ((2, 0.04), (4, 0.08), (9, 0.1)):  # min(0.02·step, 0.1)
+        if uses_old:
+            assert algo.after_rollout(policy, step) == {metric: pytest.approx(decay)}
+        else:
+            assert algo.after_rollout(policy, step) == {}
+    assert moved == ([pytest.approx(d) for d in (0.04, 0.08, 0.1)] if uses_old else [])

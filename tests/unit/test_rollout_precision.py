@@ -200,7 +200,6 @@ def _setup(precision: str, tis_cap: float, perturb: float):
                 num_steps=4,
                 shift=3.0,
                 guidance_scales=[4.0],
-                boundary_ratio=None,
                 noise_level=0.7,
                 generator=torch.Generator().manual_seed(20 + i),
                 sde_steps=[0, 1],
@@ -212,8 +211,7 @@ def _setup(precision: str, tis_cap: float, perturb: float):
     policy = Policy(
         transformers=[model],
         guidance_scales=[4.0],
-        boundary_ratio=None,
-        expand_timesteps=False,
+        routing=None,
         reference=None,
         generator=lambda *parts: torch.Generator().manual_seed(0),
     )

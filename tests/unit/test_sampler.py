@@ -5,11 +5,11 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
 from torch import nn
 
+from miles.models.wan import WanRouting
 from miles.rollout.sampler import (
     Rollout,
     cfg_combine,
     compute_log_prob,
-    expert_index,
     flow_sigmas,
     initial_noise,
     predict_velocity,
@@ -145,17 +145,17 @@ def test_expert_routing_matches_wan_pipeline(experts):
             rec.remove()
         assert {i for i, _ in rec.calls} == {0, 1}
         for used, t in rec.calls:
-            assert expert_index(t, boundary_ratio, 2) == used, (t, boundary_ratio)
-            assert expert_index(t.item(), boundary_ratio, 2) == used
+            assert WanRouting(boundary_ratio).expert_index(t, 2) == used, (t, boundary_ratio)
+            assert WanRouting(boundary_ratio).expert_index(t.item(), 2) == used
 
 
 def test_expert_index_rule():
-    assert expert_index(875.0, 0.875, 2) == 0
-    assert expert_index(874.9, 0.875, 2) == 1
-    assert expert_index(10.0, 0.875, 1) == 0
-    assert expert_index(10.0, None, 1) == 0
+    assert WanRouting(0.875).expert_index(875.0, 2) == 0
+    assert WanRouting(0.875).expert_index(874.9, 2) == 1
+    assert WanRouting(0.875).expert_index(10.0, 1) == 0
+    assert WanRouting(None).expert_index(10.0, 1) == 0
     with pytest.raises(ValueError):
-        expert_index(10.0, None, 2)
+        WanRouting(None).expert_index(10.0, 2)
 
 
 # ---------------------------------------------------------------- CFG
@@ -181,7 +181,7 @@ def test_cfg_is_batched_and_guided_per_expert():
     pe, ne = embeds(3)
     t_high, t_low = torch.tensor(950.0), torch.tensor(300.0)
 
-    v = predict_velocity(models, x, t_high, pe, ne, (5.0, 1.0), 0.9)
+    v = predict_velocity(models, x, t_high, pe, ne, (5.0, 1.0), WanRouting(0.9))
     assert models[0].batches == [6] and models[1].batches == []  # one batched [cond; uncond] forward
     v_c = models[0](x, t_high.expand(3), pe)[0]
     v_u = models[0](x, t_high.expand(3), ne.expand(3, -1, -1))[0]
@@ -190,7 +190,7 @@ def test_cfg_is_batched_and_guided_per_expert():
     assert not torch.allclose(v, v_c)
 
     # The low-noise expert has scale 1: no unconditional pass at all (diffusers' rule).
-    v2 = predict_velocity(models, x, t_low, pe, ne, (5.0, 1.0), 0.9)
+    v2 = predict_velocity(models, x, t_low, pe, ne, (5.0, 1.0), WanRouting(0.9))
     assert models[1].batches == [3]
     torch.testing.assert_close(v2, models[1](x, t_low.expand(3), pe)[0])
 
@@ -222,7 +222,7 @@ def _rollout(models, seed, batch=4, **kw) -> Rollout:
         num_steps=6,
         shift=3.0,
         guidance_scales=(4.0, 3.0),
-        boundary_ratio=0.9,
+        routing=WanRouting(0.9),
         noise_level=0.7,
         timestep_fraction=0.6,
     )
@@ -242,7 +242,7 @@ def test_rollout_shapes_and_chain(experts):
     # Consecutive SDE steps chain: each step starts where the previous one ended.
     assert torch.equal(r.next_latents[:, :-1], r.latents[:, 1:])
     # Both experts were used (sigma 1 and 0.9375 are above the boundary of 0.9, the rest below).
-    assert [expert_index(t, 0.9, 2) for t in r.timesteps] == [0, 0, 1, 1]
+    assert [WanRouting(0.9).expert_index(t, 2) for t in r.timesteps] == [0, 0, 1, 1]
 
 
 def test_ode_tail_matches_a_hand_written_loop(experts):
@@ -269,18 +269,18 @@ def test_recompute_reproduces_rollout_log_probs_exactly(experts):
     r = _rollout(experts, 1)
     pe, ne = embeds(4)
     for k in range(r.num_sde_steps):
-        logp, mean, std = compute_log_prob(experts, r, k, pe, ne, (4.0, 3.0), 0.9, 0.7)
+        logp, mean, std = compute_log_prob(experts, r, k, pe, ne, (4.0, 3.0), WanRouting(0.9), 0.7)
         assert torch.equal(logp, r.log_probs[:, k]), k
         assert mean.shape == (4, *LATENT) and std.shape == (4, 1, 1, 1, 1)
 
     # A micro-batch recompute of the same samples also matches (to rounding: batch size changed).
     sub = r.select([1, 3])
-    logp, _, _ = compute_log_prob(experts, sub, 2, pe[[1, 3]], ne, (4.0, 3.0), 0.9, 0.7)
+    logp, _, _ = compute_log_prob(experts, sub, 2, pe[[1, 3]], ne, (4.0, 3.0), WanRouting(0.9), 0.7)
     torch.testing.assert_close(logp, r.log_probs[[1, 3], 2], rtol=1e-5, atol=1e-5)
 
     # Changed weights change the log-prob (the equality above is not vacuous) and it has a gradient.
     changed = tiny_wan(2)
-    logp, _, _ = compute_log_prob([changed, experts[1]], r, 0, pe, ne, (4.0, 3.0), 0.9, 0.7)
+    logp, _, _ = compute_log_prob([changed, experts[1]], r, 0, pe, ne, (4.0, 3.0), WanRouting(0.9), 0.7)
     assert not torch.allclose(logp, r.log_probs[:, 0])
     logp.sum().backward()
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in changed.parameters())
@@ -294,7 +294,7 @@ def test_rollout_is_deterministic_from_seed(experts):
     w1 = _rollout(
         experts[:1],
         5,
-        boundary_ratio=None,
+        routing=None,
         guidance_scales=4.0,
         sde_window_size=2,
         sde_window_start_range=(0, 4),
@@ -302,7 +302,7 @@ def test_rollout_is_deterministic_from_seed(experts):
     w2 = _rollout(
         experts[:1],
         5,
-        boundary_ratio=None,
+        routing=None,
         guidance_scales=4.0,
         sde_window_size=2,
         sde_window_start_range=(0, 4),
@@ -329,7 +329,7 @@ def test_shared_initial_noise_per_group(experts):
 
 
 def test_zero_noise_level_is_pure_ode(experts):
-    r = _rollout(experts[:1], 0, boundary_ratio=None, guidance_scales=4.0, noise_level=0.0)
+    r = _rollout(experts[:1], 0, routing=None, guidance_scales=4.0, noise_level=0.0)
     assert r.num_sde_steps == 0 and r.log_probs.shape == (4, 0) and r.latents.shape == (4, 0, *LATENT)
-    again = _rollout(experts[:1], 0, boundary_ratio=None, guidance_scales=4.0, noise_level=0.0)
+    again = _rollout(experts[:1], 0, routing=None, guidance_scales=4.0, noise_level=0.0)
     assert torch.equal(r.final_latents, again.final_latents)

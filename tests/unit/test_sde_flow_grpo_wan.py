@@ -133,7 +133,7 @@ def test_rollout_is_noisy_at_every_step_and_records_the_trained_ones(fraction):
     from miles.rollout.sampler import flow_sigmas
 
     model, embeds, shape, T = _Linear(), torch.zeros(2, 3, 4), (2, 3, 4, 4), 6
-    opts = dict(num_steps=T, shift=3.0, guidance_scales=1.0, boundary_ratio=None, noise_level=0.7)
+    opts = dict(num_steps=T, shift=3.0, guidance_scales=1.0, noise_level=0.7)
     ro = sample_with_logprob(
         [model], embeds, None, shape, **opts, generator=torch.Generator().manual_seed(0),
         timestep_fraction=fraction, sde_type="flow_grpo_wan",

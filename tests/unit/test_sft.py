@@ -20,6 +20,7 @@ from miles.algorithms.sft import (
     sigma_of_quantile,
 )
 from miles.config import Config
+from miles.models.wan import WanRouting
 from miles.rollout.batch import MicroBatch, RolloutBatch
 from miles.train.collect import run_generator
 from miles.train.sources import CleanLatents
@@ -79,8 +80,7 @@ def _setup(num_experts=1, dropout=0.0, sampling="logit_normal"):
     policy = Policy(
         transformers=models,
         guidance_scales=[1.0] * num_experts,
-        boundary_ratio=0.875 if num_experts == 2 else None,
-        expand_timesteps=False,
+        routing=WanRouting(0.875 if num_experts == 2 else None),
         reference=None,
         generator=lambda *parts: run_generator(5, *parts),
     )
@@ -159,7 +159,7 @@ def test_per_token_timesteps():
     model = Linear3D(4, seed=0)
     x = torch.randn(2, 4, 3, 4, 4)
     sigma = torch.tensor([0.25, 0.8])
-    conditional_velocity(model, x, sigma, torch.randn(2, 6, 8), expand_timesteps=True)
+    conditional_velocity(model, x, sigma, torch.randn(2, 6, 8), routing=WanRouting(expand_timesteps=True))
     t = model.seen[0][0]
     assert t.shape == (2, 3 * 2 * 2) and torch.equal(t, (sigma * 1000)[:, None].expand(2, 12))
 

@@ -1,0 +1,124 @@
+"""The model-family seam: what the run needs of a family of video diffusion transformers.
+
+A family's folders differ in how their experts are routed and called, how images and videos
+are encoded, how latents decode, how much one block keeps for backward and how an export is
+laid out. The trainer, the run plan and dry run, evaluation, memory planning, the algorithms,
+the sampler and export go through the three Protocols below, never through a family's names:
+
+- :class:`ModelFamily`: loads a folder (whole, as skeletons, or as configs only for the run
+  plan), names its expert folders (the export layout) and saves LoRA adapters;
+- :class:`FamilyModel`: a loaded folder: the experts, the frozen text encoder and VAE
+  (``pipeline``), prompt/image/video encoding, decoding, the SP plan, block calibration;
+- :class:`ExpertRouting`: which expert denoises at a timestep, and the timestep it takes.
+
+A folder's family is the one that claims the pipeline class its ``model_index.json`` names
+(:func:`family_of`). Families: Wan (:mod:`miles.models.wan_family`). Adding one: a module that
+implements the three Protocols, and its entry in :data:`FAMILIES` (docs/ARCHITECTURE.md).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from torch import Tensor, nn
+
+from miles.models.folder import read_pipeline_index
+from miles.models.wan import resolve_model_path
+from miles.models.wan_family import WAN
+
+
+class ExpertRouting(Protocol):
+    """How a folder's experts are called at a timestep t = 1000·σ (the sampler, the algorithms)."""
+
+    @property
+    def boundary_sigma(self) -> float | None:
+        """σ at which the second expert takes over (None: one expert)."""
+
+    @property
+    def per_token_timesteps(self) -> bool:
+        """Whether the experts take one timestep per token (memory planning counts its activations)."""
+
+    def expert_index(self, t: float | Tensor, num_experts: int) -> int:
+        """The index of the expert that denoises at timestep ``t``."""
+
+    def model_timestep(self, t: Tensor, x: Tensor, expert: nn.Module) -> Tensor:
+        """The timestep ``expert`` takes for samples' timesteps ``t`` (B,) at model input ``x``."""
+
+    def report(self, num_experts: int) -> dict:
+        """The run plan's fields for the routing, with ``expert_switch`` and ``timestep_layout``
+        (the dry run's words, or None)."""
+
+
+class FamilyModel(Protocol):
+    """A loaded folder (or its configs only, on the meta device, for the run plan)."""
+
+    path: Path
+    transformers: list[nn.Module]  # the experts, in routing order
+    pipeline: object  # the diffusers pipeline: text_encoder, tokenizer, vae, scheduler
+    condition_mode: str | None  # image-to-video: the image condition's mode; None: text-to-video
+
+    @property
+    def routing(self) -> ExpertRouting: ...
+
+    @property
+    def expert_folders(self) -> tuple[str, ...]:
+        """The folder of each expert, in ``transformers`` order (sharded loading, copies)."""
+
+    @property
+    def num_attention_heads(self) -> int: ...
+
+    def latent_shape(self, num_frames: int, height: int, width: int) -> tuple[int, int, int, int]: ...
+
+    def num_tokens(self, num_frames: int, height: int, width: int) -> int: ...
+
+    def sequence_parallel_plan(self, transformer: nn.Module): ...
+
+    def encode_prompts(self, prompts: list[str], negative_prompt: str, max_sequence_length: int, device): ...
+
+    def encode_images(self, images: list, num_frames: int, height: int, width: int, device): ...
+
+    def encode_video(self, clip: Tensor, device) -> Tensor: ...
+
+    def decode(self, latents: Tensor) -> Tensor: ...
+
+    def calibrate_block_memory(
+        self, transformer: nn.Module, tokens: int, device, **options
+    ) -> dict[str, float]: ...
+
+
+class ModelFamily(Protocol):
+    """A family of model folders."""
+
+    name: str
+    pipeline_classes: frozenset[str]  # the model_index.json classes the family reads
+    expert_folders: tuple[str, ...]  # every expert folder, in routing order (the export layout)
+
+    def load(self, model_cfg, device: torch.device, experts: str = "load", seed: int = 0) -> FamilyModel:
+        """The folder of ``model_cfg`` loaded (``experts``: ``load`` whole, or ``skeleton`` on meta)."""
+
+    def load_meta(self, cfg, strict: bool = False) -> tuple[FamilyModel, dict, list[str]]:
+        """The folder of ``cfg.model`` as configs only: the model, its model_index.json, warnings."""
+
+    def save_lora_weights(self, folder: Path, **kwargs) -> None:
+        """Save one expert's LoRA adapter (diffusers' ``save_lora_weights`` arguments)."""
+
+
+FAMILIES: dict[str, ModelFamily] = {WAN.name: WAN}
+
+
+def model_folder(model_cfg) -> Path:
+    """The run's model folder: ``model.path``, or the embedded tiny (Wan) model's, built on demand."""
+    return resolve_model_path(model_cfg)
+
+
+def family_of(path: Path) -> ModelFamily:
+    """The family that reads the folder ``path`` (by its ``model_index.json`` pipeline class); a
+    ``ValueError`` naming the fix when none does."""
+    name = read_pipeline_index(Path(path)).get("_class_name")
+    for family in FAMILIES.values():
+        if name in family.pipeline_classes:
+            return family
+    known = "; ".join(f"{f.name}: {sorted(f.pipeline_classes)}" for f in FAMILIES.values())
+    raise ValueError(f"model.path {path} holds a {name}, which no model family reads ({known})")
