@@ -98,6 +98,22 @@ def _check_backend_dtype(backend: str | None, dtype: str, device_type: str) -> N
         )
 
 
+def _check_ring_dtype(cfg: Config, dims: ParallelDims, device_type: str) -> list[str]:
+    """Ring attention on CUDA runs flash or cudnn kernels, which have no float32 version. Refused
+    where a GPU is visible (the real run, or a dry run on the GPU host); a warning where the plan
+    only assumes CUDA (a dry run on a CPU host, where the same recipe runs its CPU ring kernel)."""
+    if not (device_type == "cuda" and dims.ring > 1 and cfg.model.dtype == "float32"):
+        return []
+    message = (
+        f"ring attention (ring degree {dims.ring}) on CUDA has bf16/fp16 kernels only (flash, cudnn) and this "
+        "run computes in float32: set model.dtype bfloat16, or --ulysses-degree equal to "
+        "--sequence-parallel-size (ring 1)"
+    )
+    if torch.cuda.is_available():
+        raise PlanError(message)
+    return [f"{message} (this plan assumed CUDA; on CPU the ring runs its float32 kernel)"]
+
+
 @dataclass(kw_only=True)
 class RunPlan:
     """One run of ``cfg`` on ``world_size`` ranks: the layout, the inputs and the memory, checked.
@@ -200,6 +216,7 @@ def plan_run(
     inputs = _check_inputs(cfg, dims.dp, model.path, image_to_video, all_ranks=strict)
     warnings += config_warnings(cfg)
     warnings += _check_precision(cfg, device_type)
+    warnings += _check_ring_dtype(cfg, dims, device_type)
     mesh["node_note"] = _node_note(dims, world_size, local_world_size, local_source)
     sp_plan = _sp_plan_report(cfg, dims, model, device_type)
     sequence, shape = _sequence_report(cfg, dims, model, warnings)

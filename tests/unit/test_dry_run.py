@@ -118,7 +118,20 @@ def test_cli_prints_groups_tokens_and_exact_param_count():
 def test_in_process_report_matches_the_topology_and_the_real_model():
     from diffusers import WanTransformer3DModel
 
-    rep = _plan([*TINY, "--world-size", "8", "--sequence-parallel-size", "4", "--ulysses-degree", "2"])
+    # bf16, as a GPU run computes (cudnn is the CUDA default for bf16; fp32 gets native SDPA)
+    rep = _plan(
+        [
+            *TINY,
+            "--world-size",
+            "8",
+            "--sequence-parallel-size",
+            "4",
+            "--ulysses-degree",
+            "2",
+            "--model.dtype",
+            "bfloat16",
+        ]
+    )
     dims = ParallelDims(world_size=8, sequence_parallel_size=4, ulysses_degree=2)
     mesh = rep["mesh"]
     assert (mesh["dp"], mesh["sp"], mesh["ulysses"], mesh["ring"]) == (2, 4, 2, 2)
@@ -510,3 +523,12 @@ def test_attention_backend_follows_the_compute_dtype():
     with pytest.raises(PlanError, match="no float32 kernel.*model.dtype bfloat16"):
         plan_run(cfg, 1, device_type="cuda")
     assert plan_run(cfg, 1, device_type="cpu").attention_backend == "_native_cudnn"  # the check is CUDA's
+    # ring > 1 in fp32 on CUDA: no kernel (flash and cudnn are half-only); warned where no GPU is visible
+    ring = [*base, "--model.dtype", "float32", "--sequence-parallel-size", "2", "--ulysses-degree", "1"]
+    plan = plan_run(parse_args(ring)[0], 2, device_type="cuda")
+    assert any(
+        "ring attention (ring degree 2) on CUDA has bf16/fp16 kernels only" in w for w in plan.warnings
+    )
+    assert not any(
+        "ring attention" in w for w in plan_run(parse_args(ring)[0], 2, device_type="cpu").warnings
+    )
