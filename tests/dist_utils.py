@@ -15,9 +15,11 @@ rank are re-raised in the parent with that rank's traceback.
 world size), so that a test pays the ~10-30 s start-up of its processes (Python, torch, diffusers,
 gloo) once per session instead of once per call. A pooled body must leave the process as it found
 it: restore what it patches (module attributes, environment variables) and keep the default process
-group. After each body the ranks restore the deterministic-algorithms flags (torch's and
+group. After each body the ranks destroy the process groups it made (a mesh's) with DTensor's plans
+that name them (``release_subgroups``), and restore the deterministic-algorithms flags (torch's and
 Inductor's), the default dtype, grad mode and Dynamo's caches. A failure on any rank retires the
-set (a fresh one serves the next call).
+set (a fresh one serves the next call); tests/conftest.py closes the sets when the run leaves their
+test folder.
 Bodies that replace the default process group use ``run_distributed``.
 
 Also the launch helpers' rule for torchrun launches (tests/e2e): a failed launch is retried only
@@ -74,7 +76,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, err_dir, fn, args, kwargs):
+def _init_rank(rank: int, world_size: int, port: int) -> None:
+    """A spawned rank as torchrun sets one up: its environment, one thread, the default gloo group."""
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -84,6 +87,18 @@ def _worker(rank, world_size, port, err_dir, fn, args, kwargs):
     )
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
+
+
+def _exit_now() -> None:
+    """As train_grpo.py does: skip interpreter finalization, where gloo's worker threads can abort the
+    process (pytorch/pytorch#179291)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _worker(rank, world_size, port, err_dir, fn, args, kwargs):
+    _init_rank(rank, world_size, port)
     try:
         fn(rank, world_size, *args, **kwargs)
     except BaseException:
@@ -93,11 +108,7 @@ def _worker(rank, world_size, port, err_dir, fn, args, kwargs):
     # Every check of the body passed on this rank.
     open(os.path.join(err_dir, f"done{rank}"), "w").close()
     dist.destroy_process_group()
-    # As train_grpo.py does: skip interpreter finalization, where gloo's worker threads can abort
-    # the process (pytorch/pytorch#179291).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    _exit_now()
 
 
 def run_distributed(fn, world_size: int, *args, **kwargs) -> None:
@@ -128,16 +139,51 @@ def run_distributed(fn, world_size: int, *args, **kwargs) -> None:
             raise AssertionError(f"a rank died: {e}") from e
 
 
+def clear_dtensor_caches() -> None:
+    """Forget DTensor's plans. Its sharding propagation (a Python and a C++ cache), redistribute
+    planner and mesh cost model cache results by ``DeviceMesh``, and a mesh compares equal to any
+    mesh of the same ranks and names: a later mesh would be served results naming the process groups
+    of an earlier one (after those are destroyed: "Could not resolve the process group registered
+    under the name ...")."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import _redistribute as redistribute
+    from torch.distributed.tensor._collective_utils import MeshTopoInfo
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+    DTensor._op_dispatcher.sharding_propagator._propagate_tensor_meta_cached.cache_clear()
+    redistribute._gen_transform_infos.cache_clear()
+    redistribute.clear_redistribute_planner_cache()
+    MeshTopoInfo.build_from_mesh.cache_clear()
+
+
+def release_subgroups() -> None:
+    """Destroy every process group but the default one, and DTensor's plans that name them. Each
+    gloo group keeps I/O threads polling for the life of its process: a session's bodies and runs on
+    kept ranks (a mesh's groups per Trainer) left ~460 threads and ~20% of a core per idle rank on
+    the 2-core machine. Called on every rank, after its body or run."""
+    from torch.distributed import distributed_c10d as c10d
+
+    if not dist.is_initialized():
+        return
+    dist.barrier()  # every rank is done with them
+    for group in list(c10d._world.pg_map):
+        if group is not c10d.GroupMember.WORLD:
+            dist.destroy_process_group(group)
+    clear_dtensor_caches()
+
+
 class KeepGroup:
     """``torch.distributed`` for ``train_grpo.main`` (as ``train_grpo.dist``) when its process group
-    must outlive it: ``destroy_process_group`` does nothing (tests/e2e/multi_run.py, pooled ranks)."""
+    must outlive it: ``destroy_process_group`` keeps the default group and releases the run's
+    subgroups (tests/e2e/multi_run.py, pooled ranks)."""
 
     def __getattr__(self, name):
         return getattr(dist, name)
 
     @staticmethod
     def destroy_process_group(*args, **kwargs) -> None:
-        pass
+        release_subgroups()
 
 
 # --- ranks kept for the session -------------------------------------------------------------------
@@ -168,15 +214,7 @@ def _reset_process_state(deterministic: bool, inductor_deterministic, dtype: tor
 
 
 def _pool_worker(rank, world_size, port, tasks, results):
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-    )
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    _init_rank(rank, world_size, port)
     state = _process_state()
     while (task := tasks.get()) is not None:
         fn, args, kwargs, env = task
@@ -189,10 +227,10 @@ def _pool_worker(rank, world_size, port, tasks, results):
         sys.stdout.flush()
         sys.stderr.flush()
         results.put((rank, error))
+        if error is None:  # after a failure the set is retired: a rank may be stuck in a collective
+            release_subgroups()
         _reset_process_state(*state)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # as in _worker: no interpreter finalization with gloo threads alive
+    _exit_now()
 
 
 class _Pool:

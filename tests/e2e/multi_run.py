@@ -5,9 +5,10 @@ diffusers and transformers on 2 cores: ~15 s unloaded, 40 s on a busy machine) a
 training. ``launch_runs`` starts ONE launch of this file, which calls ``train_grpo.main`` — the
 user's entry point: config parsing, warnings, the Trainer, its error handling — once per run, in
 order, on the same process group (``main`` would destroy the group after each run, and a group
-cannot be re-created under torchrun's store, so here it is kept until the last run is done).
-Between runs the process-wide switches a run sets are put back: deterministic algorithms,
-Inductor's deterministic flag, Dynamo's caches, the default RNG.
+cannot be re-created under torchrun's store, so here it is kept until the last run is done; the
+run's own groups, its mesh's, are destroyed: ``tests/dist_utils.release_subgroups``). Between runs
+the process-wide switches a run sets are put back: deterministic algorithms, Inductor's
+deterministic flag, Dynamo's caches, the default RNG.
 
 Rank 0 writes ``[multi_run] begin NAME`` / ``[multi_run] end NAME`` to stdout and stderr around each
 run; ``launch_runs`` cuts the output there, so each test reads its own run's log. A run that fails
@@ -67,16 +68,23 @@ def launch_runs(
     nproc: int,
     env: dict[str, str] | None = None,
     timeout_s: float = 900,
+    copies: dict[str, list[tuple[Path, Path]]] | None = None,
 ) -> dict[str, Run]:
     """One torchrun launch of ``nproc`` processes running ``train_grpo.py <flags> --run.output-dir
-    root --run.name NAME`` for each ``NAME: flags`` of ``runs``, in order. Asserts the launch
+    root --run.name NAME`` for each ``NAME: flags`` of ``runs``, in order. ``copies[NAME]``: folders
+    copied (``src``, ``dst``) just before run NAME starts, after the runs before it (a checkpoint an
+    earlier run of the launch saved, to resume from in a fresh run folder). Asserts the launch
     succeeded; a failure after every rank had finished (a teardown abort) is retried once, from
     the run directories as they were before the launch."""
     from tests.dist_utils import FINISHED_ENV, may_retry
 
     root.mkdir(parents=True, exist_ok=True)
     spec = [
-        {"name": name, "argv": [*flags, "--run.output-dir", str(root), "--run.name", name]}
+        {
+            "name": name,
+            "argv": [*flags, "--run.output-dir", str(root), "--run.name", name],
+            "copies": [[str(src), str(dst)] for src, dst in (copies or {}).get(name, [])],
+        }
         for name, flags in runs.items()
     ]
     spec_file = Path(tempfile.mkstemp(prefix="multi_run_", suffix=".json", dir=root)[1])
@@ -154,6 +162,11 @@ def _main(spec_file: str) -> int:
     train_grpo.dist = KeepGroup()
     switches, seed = _switches(), torch.initial_seed()
     for run in json.loads(Path(spec_file).read_text()):
+        if os.environ.get("RANK", "0") == "0":
+            for src, dst in run["copies"]:
+                shutil.copytree(src, dst)
+        if dist.is_initialized():  # (before the first run, main's group start waits for rank 0)
+            dist.barrier()  # no rank starts before the copies are there
         _say(f"{BEGIN}{run['name']}")
         t0 = time.perf_counter()
         code = train_grpo.main(run["argv"])

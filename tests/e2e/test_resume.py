@@ -20,9 +20,10 @@ dp4 run of 3 rollouts (6 optimizer steps) as the reference (a run of the session
   groups (prompts-per-rank 2 at dp4, 4 at dp2, 8 at dp1).
 
 The launches that must crash, stop or refuse (the kill, SIGTERM, Ctrl-C, the refused rerun) run one
-per launch; every relaunch after them (the two resumes, the overwriting rerun, both layouts' resumes)
-then shares ONE launch (``tests/e2e/multi_run.py``: ``train_grpo.main`` run after run in one
-process group), and the resume back at dp4 one more: 6 launches and the shared reference run.
+per launch; every relaunch after them (the two resumes, the overwriting rerun, both layouts' resumes
+and, last, the resume back at dp4 from the sp4 run's step-8 checkpoint) then shares ONE launch
+(``tests/e2e/multi_run.py``: ``train_grpo.main`` run after run in one process group): 5 launches
+and the shared reference run.
 """
 
 from __future__ import annotations
@@ -115,27 +116,6 @@ def launch(
     finally:
         timer.cancel()
     return Launch(proc.returncode, "".join(lines), time.monotonic() - t0, root / name, finished_dir)
-
-
-def launch_ok(root: Path, name: str, *flags: str) -> Launch:
-    """A launch that must succeed. A failure after every rank had finished its work (a teardown
-    abort: every rank wrote its "finished" marker) gets one retry, reported as a warning, from a
-    restored copy of the run directory; any other failure — an error, a rank killed by a signal —
-    and a second failure fail the test."""
-    run_dir = root / name
-    backup = root / f".{name}.before"
-    shutil.rmtree(backup, ignore_errors=True)
-    if run_dir.exists():
-        shutil.copytree(run_dir, backup)
-    run = launch(root, name, *flags)
-    if may_retry(run.returncode, run.finished_dir, 4, f"the launch {name}", run.output):
-        shutil.rmtree(run_dir, ignore_errors=True)
-        if backup.exists():
-            shutil.copytree(backup, run_dir)
-        run = launch(root, name, *flags)
-    shutil.rmtree(backup, ignore_errors=True)
-    _ok(run)
-    return run
 
 
 def _ok(run: Launch) -> None:
@@ -243,8 +223,13 @@ def launches(reference) -> dict:
         "sigterm": [*RECIPE, *SIGNAL_FLAGS],
         "rerun": [*RECIPE, *RERUN_FLAGS, "--train.overwrite"],
         **{name: [*RECIPE, *_layout_flags(sp, u, ppr, 4)] for name, sp, u, ppr, _ in LAYOUTS},
+        "back_to_dp4": [*RECIPE, *_layout_flags(1, 0, 2, 5)],  # after dp1_sp4_u2r2: its step 8
     }
-    relaunched = launch_runs(root, again, nproc=4, env={"WANDB_MODE": "disabled"}, timeout_s=900)
+    step8 = "checkpoints/step_000008"
+    copies = {"back_to_dp4": [(root / "dp1_sp4_u2r2" / step8, root / "back_to_dp4" / step8)]}
+    relaunched = launch_runs(
+        root, again, nproc=4, env={"WANDB_MODE": "disabled"}, timeout_s=900, copies=copies
+    )
     for name, r in relaunched.items():
         got[f"{name}_again"] = Launch(0, r.output, r.seconds, r.run_dir, root)
     return got
@@ -326,16 +311,15 @@ def _check_resumed(run: Launch, step: int, saved_at: tuple[int, int], now: tuple
     assert sorted(run.saved()) == [step + 2]
 
 
-def test_resume_across_topologies(reference, launches, tmp_path):
+def test_resume_across_topologies(reference, launches):
     digest = reference.saved()[6]
     runs = {name: launches[f"{name}_again"] for name, *_ in LAYOUTS}  # each resumed its own copy
     for name, *_, now in LAYOUTS:
         _check_resumed(runs[name], 6, (4, 1), now, digest)
 
-    # ... and back: the sp4 run's step-8 checkpoint at dp4.
+    # ... and back: the sp4 run's step-8 checkpoint (copied alone into a fresh folder) at dp4.
     sp4 = runs["dp1_sp4_u2r2"]
-    _copy_run(sp4.run_dir, tmp_path / "back_to_dp4", 8)
-    back = launch_ok(tmp_path, "back_to_dp4", *_layout_flags(1, 0, 2, 5))
+    back = launches["back_to_dp4_again"]
     _check_resumed(back, 8, (1, 4), (4, 1), sp4.saved()[8])
     print(
         "weights sha256: dp4 step 6 "
