@@ -117,10 +117,12 @@ class ParallelConfig:
     degree that divides both the heads and sp."""
     fsdp_attention_backend: Annotated[str | None, _NO_PREFIX] = None
     """diffusers attention backend (``_native_cudnn``, ``_native_flash``, ``native``...). Also picks
-    the ring kernel when ring > 1. None: cudnn on CUDA where available, else the native default."""
+    the ring kernel when ring > 1. None: cudnn on CUDA for bf16 compute (flash with
+    ``--deterministic-mode``, which excludes cudnn attention), else the native default (fp32, CPU)."""
     deterministic_mode: Annotated[bool, _NO_PREFIX] = False
     """torch.use_deterministic_algorithms(True) (and Inductor's deterministic mode for compiled
-    blocks): double runs give bitwise identical results."""
+    blocks): double runs give bitwise identical results. On CUDA the default attention backend is then
+    flash, not cudnn (torch's deterministic mode excludes cudnn attention)."""
     reshard_after_forward: bool = True
     """FSDP2: free the gathered parameters after each block's forward (ZeRO-3)."""
     replicate_size: int = 1

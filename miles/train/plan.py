@@ -82,19 +82,33 @@ HALF_ONLY_BACKENDS = frozenset(
 )
 
 
-def default_attention_backend(device: torch.device, dtype: str = "bfloat16") -> str | None:
+def default_attention_backend(
+    device: torch.device, dtype: str = "bfloat16", deterministic: bool = False
+) -> str | None:
     """cudnn SDPA on CUDA for bf16/fp16 compute (1.8x faster than flash for Wan shapes on H100/H200);
-    else (CPU, or ``model.dtype float32``, which cudnn has no kernel for) diffusers' default."""
+    with ``deterministic`` (``--deterministic-mode``) flash instead: torch's strict deterministic
+    mode excludes cudnn attention (a cudnn-only SDPA call raises), while flash's forward and backward
+    are deterministic there. Else (CPU, or ``model.dtype float32``, which neither has a kernel for)
+    diffusers' default."""
     if device.type == "cuda" and dtype in ("bfloat16", "float16"):
-        return "_native_cudnn"
+        return "_native_flash" if deterministic else "_native_cudnn"
     return None
 
 
-def _check_backend_dtype(backend: str | None, dtype: str, device_type: str) -> None:
-    if device_type == "cuda" and dtype == "float32" and backend in HALF_ONLY_BACKENDS:
+def _check_backend(backend: str | None, cfg: Config, device_type: str) -> None:
+    """An explicit ``--fsdp-attention-backend`` this run cannot use on CUDA, refused naming the fix."""
+    if device_type != "cuda":
+        return
+    if cfg.model.dtype == "float32" and backend in HALF_ONLY_BACKENDS:
         raise PlanError(
             f"--fsdp-attention-backend {backend} has no float32 kernel (model.dtype float32): set "
             "model.dtype bfloat16, or leave --fsdp-attention-backend unset (float32: diffusers' native SDPA)"
+        )
+    if cfg.parallel.deterministic_mode and backend == "_native_cudnn":
+        raise PlanError(
+            "--fsdp-attention-backend _native_cudnn with --deterministic-mode: torch's deterministic mode "
+            "excludes cudnn attention; leave --fsdp-attention-backend unset (deterministic runs then use "
+            "_native_flash) or drop --deterministic-mode"
         )
 
 
@@ -486,9 +500,9 @@ def _sp_plan_report(cfg: Config, dims: ParallelDims, model, device_type: str) ->
 
     p = cfg.parallel
     backend = p.fsdp_attention_backend or default_attention_backend(
-        torch.device(device_type), cfg.model.dtype
+        torch.device(device_type), cfg.model.dtype, p.deterministic_mode
     )
-    _check_backend_dtype(backend, cfg.model.dtype, device_type)
+    _check_backend(backend, cfg, device_type)
     backend_note = "--fsdp-attention-backend" if p.fsdp_attention_backend else f"default on {device_type}"
     try:
         validate_sp_args(dims, backend, model_backend=model)

@@ -523,6 +523,12 @@ def test_attention_backend_follows_the_compute_dtype():
     with pytest.raises(PlanError, match="no float32 kernel.*model.dtype bfloat16"):
         plan_run(cfg, 1, device_type="cuda")
     assert plan_run(cfg, 1, device_type="cpu").attention_backend == "_native_cudnn"  # the check is CUDA's
+    # --deterministic-mode: torch's strict mode excludes cudnn attention (a cudnn-only call raises; the
+    # world's deterministic variant failed to start on the H200): flash by default, explicit cudnn refused
+    det = [*base, "--model.dtype", "bfloat16", "--deterministic-mode"]
+    assert plan_run(parse_args(det)[0], 1, device_type="cuda").attention_backend == "_native_flash"
+    with pytest.raises(PlanError, match="deterministic mode excludes cudnn attention"):
+        plan_run(parse_args([*det, "--fsdp-attention-backend", "_native_cudnn"])[0], 1, device_type="cuda")
     # ring > 1 in fp32 on CUDA: no kernel (flash and cudnn are half-only); warned where no GPU is visible
     ring = [*base, "--model.dtype", "float32", "--sequence-parallel-size", "2", "--ulysses-degree", "1"]
     plan = plan_run(parse_args(ring)[0], 2, device_type="cuda")
