@@ -205,6 +205,19 @@ def summarize(rollouts: list[dict], flops: dict, budget_gib: float, peak_tflops:
     }
 
 
+def _keep_phases_after_each_step(trainer_cls, probes, path: Path) -> None:
+    """Write the phases measured so far after every train phase, so a run stopped by a time limit
+    (a device command's) keeps its measured rollouts (``<reward>.partial.json``)."""
+    timed = trainer_cls.train_on
+
+    def train_on(self, *args, **kwargs):
+        out = timed(self, *args, **kwargs)
+        path.write_text(json.dumps({"phases": probes.phases}, indent=1, default=float))
+        return out
+
+    trainer_cls.train_on = train_on
+
+
 def run_one(args, reward: str) -> dict:
     import torch
 
@@ -225,6 +238,7 @@ def run_one(args, reward: str) -> dict:
     probes.wrap(Trainer, "rollout", "rollout")
     probes.wrap(Trainer, "score", "decode+reward")
     probes.wrap(Trainer, "train_on", "train")
+    _keep_phases_after_each_step(Trainer, probes, args.out / f"{reward}.partial.json")
     Trainer.save = lambda self: None  # the step is measured, not the checkpoint
     with probes.phase("init"):
         trainer = Trainer(cfg)
