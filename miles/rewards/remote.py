@@ -276,6 +276,26 @@ def _health(http: HttpClient, url: str) -> list[str]:
     return list(hosted)
 
 
+def _connect(
+    url: str | None,
+    rewards: Mapping[str, float] | Sequence[str] | str | None,
+    token: str | None,
+    timeout_s: float,
+    retries: int,
+    backoff_s: float,
+    counters: tuple[str, ...],
+) -> tuple[HttpClient, str, list[str], dict[str, float]]:
+    """A client of the reward server at ``url`` (with ``token``), checked: the server answers and
+    hosts ``rewards``. Returns the client, the checked url, what it hosts and the weights."""
+    url = check_http_options("remote", url, timeout_s, retries, backoff_s)
+    http = HttpClient(
+        requests.Session(), timeout_s=timeout_s, retries=retries, backoff_s=backoff_s, counters=counters
+    )
+    http.session.headers.update(auth_headers(token))
+    hosted = _health(http, url)
+    return http, url, hosted, _resolve_weights(rewards, hosted, url)
+
+
 def check_reward_server(
     url: str | None,
     rewards: Mapping[str, float] | Sequence[str] | str | None = None,
@@ -286,18 +306,7 @@ def check_reward_server(
 ) -> list[str]:
     """Check that a reward server answers at ``url`` (with ``token``) and hosts ``rewards``; returns
     what it hosts. ValueError naming the fix otherwise: call it before any weights load."""
-    url = check_http_options("remote", url, timeout_s, retries, backoff_s)
-    http = HttpClient(
-        requests.Session(),
-        timeout_s=timeout_s,
-        retries=retries,
-        backoff_s=backoff_s,
-        counters=("num_retries",),
-    )
-    http.session.headers.update(auth_headers(token))
-    hosted = _health(http, url)
-    _resolve_weights(rewards, hosted, url)
-    return hosted
+    return _connect(url, rewards, token, timeout_s, retries, backoff_s, ("num_retries",))[2]
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -349,25 +358,18 @@ class RemoteReward(Reward):
         num_frames: int | None = None,
         token: str | None = None,
     ) -> None:
-        self.url = check_http_options("remote", url, timeout_s, retries, backoff_s)
         if batch_size is not None and (
             isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1
         ):
             raise ValueError(f"reward.remote.batch_size must be a positive int or None; got {batch_size!r}")
         self.batch_size = batch_size
         self.num_frames = check_num_frames(num_frames)
-        self.http = HttpClient(
-            requests.Session(),
-            timeout_s=timeout_s,
-            retries=retries,
-            backoff_s=backoff_s,
-            counters=("num_requests", "num_retries", "num_samples"),
-        )
-        self.http.session.headers.update(auth_headers(token))
         self.last_scores: dict[str, torch.Tensor] = {}
         """The unweighted score of each remote reward in the last call, (B,) float32 on the videos' device."""
-        self.hosted = _health(self.http, self.url)
-        self.weights = _resolve_weights(rewards, self.hosted, self.url)
+        counters = ("num_requests", "num_retries", "num_samples")
+        self.http, self.url, self.hosted, self.weights = _connect(
+            url, rewards, token, timeout_s, retries, backoff_s, counters
+        )
 
     @staticmethod
     def check_resources(
