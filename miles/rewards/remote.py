@@ -338,7 +338,8 @@ class RemoteOptions:
     """Send only this many frames per video, sampled uniformly (match the server's --num-frames to keep
     frame-sampling rewards exact); None: every frame. This reward's own, not reward.num_frames."""
     token: str | None = None
-    """The server's token; None: $MILES_REWARD_TOKEN (prefer it: the config is saved in the run directory)."""
+    """The server's token; None: $MILES_REWARD_TOKEN (prefer it: a recipe file travels). Never written out:
+    config.yaml, checkpoints and wandb record only that it was set."""
 
 
 @register_reward("remote", options=RemoteOptions)
