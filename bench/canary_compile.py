@@ -21,6 +21,8 @@ two graphs round differently; in bf16 the pass keeps ``addmm`` whole. Each varia
   only block inputs, as the 1.3B recipe's mostly does, whose canary is 0): expected 0 if the kernels
   cut differently around saved tensors are the cause.
 - ``fp32-eager``: ``--model.compile off``: expected 0.
+- ``bf16-det``: bf16 with ``--deterministic-mode`` (Inductor's deterministic mode: no autotuning of
+  kernel configs, flash attention): expected 0 in every call if run-to-run autotuning is the cause.
 
 Each variant is one process (world 1, the GPU path's batch: 8 prompt groups of 8 samples, micro-batches
 of 16), ``--rollouts`` rollouts; the wall time is reported so the cost of a variant shows.
@@ -45,6 +47,7 @@ VARIANTS = {
     "bf16": ["--model.dtype", "bfloat16"],
     "bf16-ckpt-full": ["--model.dtype", "bfloat16", "--model.activation-checkpointing", "full"],
     "fp32-eager": ["--model.compile", "off"],
+    "bf16-det": ["--model.dtype", "bfloat16", "--deterministic-mode"],
 }
 _NO_PATTERNS = {"fp32-no-patterns"}
 
