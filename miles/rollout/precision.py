@@ -42,6 +42,7 @@ __all__ = [
 PRECISIONS = ("bf16", "fp8")
 FP8_MIN_CAPABILITY = (8, 9)
 _INSTALL = "pip install -e '.[fp8]' (torchao)"
+ACTIVATION_AMAX_FLOOR = 1e-12  # the smallest per-row activation amax a float8 scale is computed from
 
 
 def check_rollout_precision(
@@ -143,8 +144,14 @@ def fp8_linear(linear: nn.Linear, fast_accum: bool = True) -> nn.Module:
     if linear.bias is not None:
         copy.bias = nn.Parameter(linear.bias.detach(), requires_grad=False)
     # set_inductor_config would switch on coordinate-descent tuning for every compile in the process.
+    # activation_value_lb: an all-zero activation row (zero-padded text tokens through a bias-free
+    # projection) would get the scale 0 and quantize to 0/0 = NaN; the floor makes it 0, and leaves
+    # every row whose amax is above it exactly as before.
     config = Float8DynamicActivationFloat8WeightConfig(
-        granularity=PerRow(), mm_config=Float8MMConfig(use_fast_accum=fast_accum), set_inductor_config=False
+        granularity=PerRow(),
+        mm_config=Float8MMConfig(use_fast_accum=fast_accum),
+        set_inductor_config=False,
+        activation_value_lb=ACTIVATION_AMAX_FLOOR,
     )
     quantize_(copy, config)
     return copy

@@ -128,3 +128,19 @@ def test_fp8_rollout_through_the_trainer_wrapping():
     assert float(gaps["bf16"].max()) < 1e-5, gaps["bf16"]  # eager bf16: the recompute is exact (canary 0)
     assert 0 < float(gaps["fp8"].mean()) < 1.0, gaps["fp8"]
     assert 0.5 < stats.metrics()["tis_weight_mean"] < 2.0
+
+
+def test_an_all_zero_activation_row_gives_the_bias():
+    """A zero input row has the per-row float8 scale floor (not 0, whose quantized row is 0/0 =
+    NaN): its output is the bias, the other rows are close to bf16's."""
+    from miles.rollout.precision import fp8_linear
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(256, 128).to("cuda", torch.bfloat16)
+    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+    x[7] = 0
+    with torch.no_grad():
+        out, ref = fp8_linear(lin)(x), lin(x)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out[7], lin.bias.detach(), rtol=0, atol=0)
+    torch.testing.assert_close(out, ref, rtol=0.1, atol=0.15)
