@@ -19,9 +19,12 @@ counted): rollout = samples x steps x CFG forwards; train = samples x SDE steps 
 + backward) + the KL reference's forwards. MFU = FLOPs / time / 782 TFLOP/s (bf16 dense, H200),
 over each phase and over the whole step (decode and reward count as time, not FLOPs). Checkpoint
 saving and export are switched off (they are the rehearsal's business). Writes ``<reward>.json``,
-``<reward>.md`` and ``step_bench.md`` to ``--out``. ``--rollout-precision fp8`` samples the rollouts
-in float8 (``rollout.precision``; the train phase then includes the bf16 old log-probs' recompute
-for the micro-batches of later optimizer steps, if any).
+``<reward>.md`` and ``step_bench.md`` to ``--out``. ``--overlap-decode`` decodes each micro-batch
+beside the next one's sampling (``rollout.overlap_decode``: the rollout phase then holds the hidden
+decodes, and decode + reward what is left of them); ``--vae-dtype bfloat16`` decodes in bf16
+(``model.vae_dtype``); ``--rollout-precision fp8`` samples the rollouts in float8
+(``rollout.precision``; the train phase then includes the bf16 old log-probs' recompute for the
+micro-batches of later optimizer steps, if any).
 """
 
 from __future__ import annotations
@@ -133,6 +136,8 @@ def build_config(args, reward: str, model_path: Path, clip_path: Path | None):
         "reward.weights": {reward if reward == "pickscore" else "jpeg_incompressibility": 1.0},
         "reward.pickscore": PickScoreOptions(model_path=str(clip_path) if clip_path else None),
         "rollout.precision": args.rollout_precision,
+        "rollout.overlap_decode": args.overlap_decode,
+        "model.vae_dtype": args.vae_dtype,
     }
     if args.model == "tiny":  # the tiny model's text encoder is not UMT5-XXL: shorter prompts
         fields.update({"data.max_sequence_length": 64, "model.dtype": "float32", "model.compile": "off"})
@@ -267,6 +272,8 @@ def run_one(args, reward: str) -> dict:
         "num_steps": r.num_steps,
         "num_sde_steps": num_sde,
         "rollout_precision": cfg.rollout.precision,
+        "overlap_decode": cfg.rollout.overlap_decode,
+        "vae_dtype": cfg.model.vae_dtype,
         "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "flops": flops,
@@ -293,7 +300,8 @@ def markdown(results: list[dict]) -> str:
     head = (
         f"{first['model']}, {'x'.join(map(str, first['shape']))} ({first['tokens']} tokens), {first['samples']} samples, "
         f"{first['num_steps']} steps, {first['num_sde_steps']} SDE steps, "
-        f"{first.get('rollout_precision', 'bf16')} rollouts, on {first['device']} "
+        f"{first.get('rollout_precision', 'bf16')} rollouts, VAE {first.get('vae_dtype', 'float32')}"
+        f"{', decode overlapped' if first.get('overlap_decode') else ''}, on {first['device']} "
         f"(mean of the rollouts after the first)"
     )
     return head + "\n\n" + "\n".join(lines) + "\n"
@@ -316,6 +324,12 @@ def main(argv: list[str] | None = None) -> None:
         default="bf16",
         help="rollout.precision (fp8: CUDA sm >= 89 and torchao; docs/fp8_rollout.md)",
     )
+    ap.add_argument(
+        "--overlap-decode",
+        action="store_true",
+        help="rollout.overlap_decode: decode beside the next micro-batch",
+    )
+    ap.add_argument("--vae-dtype", choices=["float32", "bfloat16"], default="float32", help="model.vae_dtype")
     ap.add_argument("--rewards", nargs="+", default=["jpeg", "pickscore"], choices=["jpeg", "pickscore"])
     ap.add_argument("--reward", choices=["jpeg", "pickscore"], help=argparse.SUPPRESS)  # one, in this process
     args = ap.parse_args(argv)

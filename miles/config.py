@@ -199,6 +199,12 @@ class RolloutConfig:
     importance weight min(exp(logp_bf16 - logp_rollout), tis_cap) multiplying each sample-step's
     policy loss, whose ratio then uses the bf16 log-probs as old ones. 0: no correction (the old
     log-probs are the rollout's; the drift is still logged). Else >= 1."""
+    overlap_decode: bool = False
+    """Decode each micro-batch's videos as soon as they are sampled, on a worker thread and a side
+    CUDA stream, while the transformer samples the next micro-batch; the frames wait in pinned host
+    memory until scored. The numbers are bitwise those of decoding after the rollout; the VAE's
+    decode workspace then counts beside the rollout's in the memory plan. On CPU each micro-batch
+    is decoded right after it is sampled (nothing to overlap). BENCHMARKS.md has its measured gain."""
 
 
 @dataclasses.dataclass(kw_only=True)

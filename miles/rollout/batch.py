@@ -25,6 +25,7 @@ class MicroBatch:
     neg: Tensor  # the negative prompt's embedding (1, L, text_dim)
     rollout: Any  # miles.rollout.sampler.Rollout: latents, log-probs and SDE steps it recorded
     condition: Any = None  # image-to-video: the ImageCondition of its samples; None for text-to-video
+    video: Any = None  # rollout.overlap_decode: a future of its decoded frames (score waits on it)
 
 
 @dataclass

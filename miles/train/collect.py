@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -26,9 +27,17 @@ from miles.rollout.guidance import guidance_scales
 from miles.rollout.precision import rollout_precision
 from miles.rollout.prompt_cache import PromptCache
 from miles.rollout.sampler import begin_sampling, expert_phases
+from miles.train.overlap import DecodeAhead
 from miles.train.stop import StopRequested, maybe_inject_signal
 
-__all__ = ["Collector", "guidance_scales", "micro_slices", "run_generator", "step_major_order"]
+__all__ = [
+    "Collector",
+    "decode_ahead_for",
+    "guidance_scales",
+    "micro_slices",
+    "run_generator",
+    "step_major_order",
+]
 
 
 def run_generator(seed: int, *parts: int) -> torch.Generator:
@@ -66,6 +75,17 @@ def step_major_order(cfg, n: int) -> list[int]:
     return [j * G + m * per + i for m in range(steps) for j in range(groups) for i in range(per)]
 
 
+def decode_ahead_for(
+    cfg: Config, algorithm: Algorithm, model: FamilyModel, mesh, device
+) -> DecodeAhead | None:
+    """``rollout.overlap_decode``'s decoder for the collector, or None (off, or nothing is scored):
+    this rank decodes ahead the micro-batches it scores (sp peers split them, as ``score`` does)."""
+    if not (cfg.rollout.overlap_decode and algorithm.uses_rewards):
+        return None
+    sp, sp_rank = mesh.sp_size, mesh.sp_rank
+    return DecodeAhead(model.decode, device, mine=lambda index: index % sp == sp_rank)
+
+
 @dataclass
 class Collector:
     """What collecting a rollout needs of the run; :meth:`collect` samples the next prompt groups."""
@@ -82,6 +102,9 @@ class Collector:
     stop: Callable[[], bool]  # whether a stop was requested (the rollout is then abandoned)
     progress: bool = False
     rollout_index: int = 0
+    # rollout.overlap_decode: called with each micro-batch's index and final latents as soon as they
+    # are sampled (miles.train.overlap.DecodeAhead); what it returns is the micro-batch's ``video``.
+    decode_ahead: Callable[[int, torch.Tensor], Any] | None = None
 
     def collect(self, rollout_index: int) -> RolloutBatch:
         """Sample this rank's prompt groups in fixed micro-batches; the noise of every sample is a
@@ -135,12 +158,17 @@ class Collector:
                     device=self.device,
                 )
             )
-        self._sample_expert_at_a_time(runs)
+        videos = self._sample_expert_at_a_time(runs)
         chunks = [
             MicroBatch(
-                slice=sl, pos=run.prompt_embeds, neg=neg, rollout=run.finish(), condition=run.condition
+                slice=sl,
+                pos=run.prompt_embeds,
+                neg=neg,
+                rollout=run.finish(),
+                condition=run.condition,
+                video=video,
             )
-            for sl, run in zip(micro_slices(cfg, len(prompts)), runs)
+            for sl, run, video in zip(micro_slices(cfg, len(prompts)), runs, videos)
         ]
         return RolloutBatch(
             prompts=prompts,
@@ -168,11 +196,13 @@ class Collector:
         return init_noise, [run_generator(self.cfg.run.seed, 3, self.rollout_index, k) for k in sample_ids]
 
     @torch.no_grad()
-    def _sample_expert_at_a_time(self, runs: list) -> None:
+    def _sample_expert_at_a_time(self, runs: list) -> list:
         """Every micro-batch's steps of the high-noise expert with only that expert gathered
         (``parallel.rollout_unsharded``), then it is resharded and the low-noise expert takes every
         micro-batch's remaining steps: one expert's full weights on the GPU at a time. Bitwise the
-        same as sampling each micro-batch start to finish (``SamplingRun``)."""
+        same as sampling each micro-batch start to finish (``SamplingRun``). Returns each
+        micro-batch's ``decode_ahead`` handle (None without it), started as its last step is sampled."""
+        videos = [None] * len(runs)
         cfg, r = self.cfg, self.cfg.rollout
         experts = self.algorithm.rollout_transformers(self.policy)
         phases = expert_phases(r.num_steps, r.shift, self.model.routing, len(experts))
@@ -192,3 +222,6 @@ class Collector:
                     if self.stop():  # nothing trained yet: abandon the rollout
                         raise StopRequested
                     run.run_steps(experts, start, stop)
+                    if self.decode_ahead is not None and run.next_step == r.num_steps:
+                        videos[mb] = self.decode_ahead(mb, run.x)
+        return videos

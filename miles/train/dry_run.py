@@ -254,6 +254,7 @@ def _param_memory_lines(rep: dict) -> list[str]:
         ("rollout_unsharded", "rollout: one expert gathered"),
         ("rollout_activations", "activations (rollout)"),
         ("decode", "VAE decode workspace"),
+        ("decode_beside_rollout", "VAE decode beside the rollout (overlap)"),
         ("buffers", "rollout buffers"),
         ("text_encoder", "text encoder (resident unless offloaded)"),
         ("vae", "VAE"),

@@ -40,13 +40,17 @@ micro batch x 2 with CFG, T = tokens per sp rank, D / F = hidden / FFN size.
                                                    stages run at half resolution; d = the decoder's
                                                    base dim, VAE dtype v); h'·w' = one 256² tile
                                                    with vae_tiling. Frames leave the GPU as uint8.
+    decode_beside    decode_workspace              with ``rollout.overlap_decode`` (a micro-batch is decoded
+    _rollout                                       while the next is sampled; its frames then go to
+                                                   pinned host memory), else 0
     slack            5 % of the budget             allocator fragmentation, kernel workspaces,
                                                    communication buffers
 
     persistent    = weights + optimizer + ema + old_policy + reference + text_encoder + vae + rewards
                     + buffers
     train peak    = persistent + grads + gathered_train + activations        (+ slack <= budget)
-    rollout peak  = persistent + max(gathered_rollout + rollout_workspace, decode_workspace)
+    rollout peak  = persistent + max(gathered_rollout + rollout_workspace + decode_beside_rollout,
+                                     decode_workspace)
 
 Assumptions about the rest of the trainer (issue 16): sharded loading (no unsharded fp32 copy after
 startup), the rollout gathers one expert at a time, decoded videos leave the GPU as uint8, and the
@@ -144,6 +148,7 @@ class ResidentMemory:
     gathered_rollout: float = 0.0
     rollout_workspace: float = 0.0
     decode_workspace: float = 0.0
+    decode_beside_rollout: float = 0.0  # rollout.overlap_decode: a decode workspace during sampling
     encode_visit: float = 0.0  # an offloaded text encoder on the GPU while it encodes (experts sharded)
 
     @property
@@ -168,9 +173,12 @@ class ResidentMemory:
 
     @property
     def rollout_peak(self) -> float:
-        """The rollout phase's peak (sampling, then decoding with the experts resharded)."""
+        """The rollout phase's peak (sampling, then decoding with the experts resharded; with
+        ``rollout.overlap_decode`` a decode runs beside the sampling)."""
         return self.persistent + max(
-            self.gathered_rollout + self.rollout_workspace, self.decode_workspace, self.encode_visit
+            self.gathered_rollout + self.rollout_workspace + self.decode_beside_rollout,
+            self.decode_workspace,
+            self.encode_visit,
         )
 
     def as_gib(self) -> dict[str, float]:
@@ -205,6 +213,9 @@ class ResidentMemory:
         text_encoder = (
             sizes.text_encoder_params * text_encoder_dtype(m.text_encoder_dtype, device_type).itemsize
         )
+        decode = _decode_bytes(
+            shape, sizes.vae_base_dim, sizes.vae_family, _DTYPE_BYTES[m.vae_dtype], m.vae_tiling
+        )
         in_flight = (sizes.outside_blocks + 2 * sizes.largest_block) * c
         if not p.reshard_after_forward:
             in_flight = max(sizes.expert_params) * c
@@ -229,9 +240,8 @@ class ResidentMemory:
             * shape.tokens_per_rank
             * (16 * sizes.hidden_size + 2 * sizes.ffn_dim)
             * c,
-            decode_workspace=_decode_bytes(
-                shape, sizes.vae_base_dim, sizes.vae_family, _DTYPE_BYTES[m.vae_dtype], m.vae_tiling
-            ),
+            decode_workspace=decode,
+            decode_beside_rollout=decode if cfg.rollout.overlap_decode else 0.0,
         )
 
 

@@ -668,6 +668,7 @@ def _memory_table(resident: ResidentMemory, activations: float, slack: float) ->
         "rollout_unsharded": r.gathered_rollout,
         "rollout_activations": r.rollout_workspace,
         "decode": r.decode_workspace,
+        "decode_beside_rollout": r.decode_beside_rollout,
         "buffers": r.buffers,
         "text_encoder": r.text_encoder,
         "vae": r.vae,

@@ -30,6 +30,13 @@ def _score_inputs(model: FamilyModel, batch: RolloutBatch, sl: slice) -> tuple:
     return (batch.prompts[sl], batch.images[sl])
 
 
+def _decoded(model: FamilyModel, chunk, device: torch.device) -> torch.Tensor:
+    """A micro-batch's frames: decoded during the rollout (``rollout.overlap_decode``), else now."""
+    if chunk.video is None:
+        return model.decode(chunk.rollout.final_latents)
+    return chunk.video.result().to(device)
+
+
 def score(
     batch: RolloutBatch,
     rewards,
@@ -62,7 +69,7 @@ def score(
     logged = keep_videos
     results = decode_and_score(
         mine,
-        lambda chunk: model.decode(chunk.rollout.final_latents),
+        lambda chunk: _decoded(model, chunk, device),
         lambda video, chunk: rewards(video, *_score_inputs(model, batch, chunk.slice)),
         lambda video, chunk: [to_uint8(v) for v in video] if logged else None,
     )

@@ -47,7 +47,7 @@ from miles.train.checkpoint import (
     save_checkpoint,
     weights_digest,
 )
-from miles.train.collect import Collector, guidance_scales, run_generator
+from miles.train.collect import Collector, decode_ahead_for, guidance_scales, run_generator
 from miles.train.ema import EMA
 from miles.train.export import export_pipeline
 from miles.train.logging import (
@@ -156,6 +156,7 @@ class Trainer:
         )
         self._training_state()
         self.stop = GracefulStop(self.device)  # SIGINT/SIGTERM: save at the next safe point, then exit
+        self.decode_ahead = decode_ahead_for(cfg, self.algorithm, self.model, self.mesh, self.device)
         self.collector = Collector(
             cfg=cfg,
             model=self.model,
@@ -168,6 +169,7 @@ class Trainer:
             rank=self.rank,
             stop=self.stop.requested,
             progress=self.progress,
+            decode_ahead=self.decode_ahead,
         )
         self.run_lock = lock_run_dir(self.run_dir)  # one launch per run directory, before any write
         # rollouts, or the batches of the source the algorithm declares (miles.train.sources)
@@ -591,4 +593,6 @@ class Trainer:
             self.logger.log_videos(scores.videos, scores.video_prompts, scores.video_rewards, step=self.step)
 
     def close(self) -> None:
+        if self.decode_ahead is not None:
+            self.decode_ahead.close()
         self.logger.close()

@@ -72,6 +72,17 @@ RUNS = {
     ],
     # HSDP: parameters sharded inside each sp group (2 ranks), replicated over the 2 dp groups
     "dp2sp2-hsdp2": ["--sequence-parallel-size", "2", "--parallel.replicate-size", "2", "--train.no-export"],
+    # dp2sp2 with each micro-batch decoded as soon as it is sampled (rollout.overlap_decode)
+    "dp2sp2-overlap-decode": [
+        "--sequence-parallel-size",
+        "2",
+        "--ulysses-degree",
+        "2",
+        "--run.log-video-every",
+        "1",
+        "--rollout.overlap-decode",
+        "--train.no-export",
+    ],
 }
 
 
@@ -113,3 +124,26 @@ def test_training_logs_every_metric(runs, name):
         captions = json.loads((videos[0].parent / "captions.json").read_text())
         assert captions[0]["prompt"] and isinstance(captions[0]["reward"], float)
         assert (run / "export" / "pipeline" / "transformer_2" / "config.json").is_file()
+
+
+def test_decoding_during_the_rollout_changes_no_number(runs):
+    """``rollout.overlap_decode`` hands scoring the frames each sp rank decoded while the rollout
+    went on (on CPU: right after each micro-batch): every logged number but the timings, and the
+    logged samples' rewards, are those of the same run decoding after the rollout."""
+
+    def numbers(row: dict) -> dict:
+        return {
+            k: v for k, v in row.items() if k != "time" and not k.startswith(("time/", "perf/", "memory/"))
+        }
+
+    def rows(name):
+        return [numbers(json.loads(line)) for line in (runs[name] / "metrics.jsonl").read_text().splitlines()]
+
+    plain, ahead = rows("dp2sp2"), rows("dp2sp2-overlap-decode")
+    assert len(plain) == 4 and plain == ahead
+
+    def captions(name):
+        files = sorted((runs[name] / "samples").rglob("captions.json"))
+        return [json.loads(f.read_text()) for f in files]
+
+    assert captions("dp2sp2-overlap-decode") == captions("dp2sp2") != []

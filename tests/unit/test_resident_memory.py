@@ -108,6 +108,10 @@ def _hand(
         th, tw = min(h, 256), min(w, 256)
     else:
         th, tw = h, w
+    decode = shape.micro_batch * (
+        6 * f * h * w * 4
+        + {"wan2.1": 51.0, "wan2.2": 21.4}[sizes.vae_family] * sizes.vae_base_dim * th * tw * v
+    )
     return dict(
         weights=weights,
         grads=4 * Nt / S,
@@ -128,11 +132,8 @@ def _hand(
         * shape.tokens_per_rank
         * (16 * sizes.hidden_size + 2 * sizes.ffn_dim)
         * c,
-        decode_workspace=shape.micro_batch
-        * (
-            6 * f * h * w * 4
-            + {"wan2.1": 51.0, "wan2.2": 21.4}[sizes.vae_family] * sizes.vae_base_dim * th * tw * v
-        ),
+        decode_workspace=decode,
+        decode_beside_rollout=decode if cfg.rollout.overlap_decode else 0,
     )
 
 
@@ -300,6 +301,23 @@ def test_reward_models_are_resident_bytes_counted_once():
     assert with_rewards.rewards == want
     assert with_rewards.persistent - base.persistent == pytest.approx(want)
     assert with_rewards.train_fixed - base.train_fixed == pytest.approx(want)
+
+
+def test_decoding_during_the_rollout_adds_one_decode_workspace_to_its_peak():
+    """``rollout.overlap_decode``: a micro-batch decodes while the next is sampled, so the rollout's
+    peak holds the sampling's terms and one decode workspace at once; training's peak is unchanged."""
+    cfg = _cfg()
+    sizes = _expert_14b()[0]
+    plain = ResidentMemory.of(cfg, sizes, _shape(), 4)
+    ahead = ResidentMemory.of(_cfg("--rollout.overlap-decode"), sizes, _shape(), 4)
+    _check(
+        ahead,
+        {**{k: v * GIB for k, v in plain.as_gib().items()}, "decode_beside_rollout": plain.decode_workspace},
+    )
+    sampling = plain.persistent + plain.gathered_rollout + plain.rollout_workspace
+    assert plain.rollout_peak == max(sampling, plain.persistent + plain.decode_workspace)
+    assert ahead.rollout_peak == pytest.approx(sampling + plain.decode_workspace, rel=1e-12)
+    assert ahead.train_fixed == plain.train_fixed
 
 
 class _LiveStorages(torch.utils._python_dispatch.TorchDispatchMode):
