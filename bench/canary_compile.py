@@ -23,6 +23,9 @@ two graphs round differently; in bf16 the pass keeps ``addmm`` whole. Each varia
 - ``fp32-eager``: ``--model.compile off``: expected 0.
 - ``bf16-det``: bf16 with ``--deterministic-mode`` (Inductor's deterministic mode: no autotuning of
   kernel configs, flash attention): expected 0 in every call if run-to-run autotuning is the cause.
+- ``bf16-flash``: bf16 with flash attention and no deterministic mode: tells the attention kernel
+  apart from Inductor's deterministic reduction configs in ``bf16-det``.
+- ``fp32-det``: the fp32 world under ``--deterministic-mode``.
 
 Each variant is one process (world 1, the GPU path's batch: 8 prompt groups of 8 samples, micro-batches
 of 16), ``--rollouts`` rollouts; the wall time is reported so the cost of a variant shows.
@@ -48,6 +51,8 @@ VARIANTS = {
     "bf16-ckpt-full": ["--model.dtype", "bfloat16", "--model.activation-checkpointing", "full"],
     "fp32-eager": ["--model.compile", "off"],
     "bf16-det": ["--model.dtype", "bfloat16", "--deterministic-mode"],
+    "bf16-flash": ["--model.dtype", "bfloat16", "--fsdp-attention-backend", "_native_flash"],
+    "fp32-det": ["--deterministic-mode"],
 }
 _NO_PATTERNS = {"fp32-no-patterns"}
 

@@ -138,6 +138,7 @@ def build_config(args, reward: str, model_path: Path, clip_path: Path | None):
         "rollout.precision": args.rollout_precision,
         "rollout.overlap_decode": args.overlap_decode,
         "model.vae_dtype": args.vae_dtype,
+        "parallel.deterministic_mode": args.deterministic_mode,
     }
     if args.model == "tiny":  # the tiny model's text encoder is not UMT5-XXL: shorter prompts
         fields.update({"data.max_sequence_length": 64, "model.dtype": "float32", "model.compile": "off"})
@@ -274,6 +275,7 @@ def run_one(args, reward: str) -> dict:
         "rollout_precision": cfg.rollout.precision,
         "overlap_decode": cfg.rollout.overlap_decode,
         "vae_dtype": cfg.model.vae_dtype,
+        "deterministic_mode": cfg.parallel.deterministic_mode,
         "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "flops": flops,
@@ -301,7 +303,8 @@ def markdown(results: list[dict]) -> str:
         f"{first['model']}, {'x'.join(map(str, first['shape']))} ({first['tokens']} tokens), {first['samples']} samples, "
         f"{first['num_steps']} steps, {first['num_sde_steps']} SDE steps, "
         f"{first.get('rollout_precision', 'bf16')} rollouts, VAE {first.get('vae_dtype', 'float32')}"
-        f"{', decode overlapped' if first.get('overlap_decode') else ''}, on {first['device']} "
+        f"{', decode overlapped' if first.get('overlap_decode') else ''}"
+        f"{', deterministic mode' if first.get('deterministic_mode') else ''}, on {first['device']} "
         f"(mean of the rollouts after the first)"
     )
     return head + "\n\n" + "\n".join(lines) + "\n"
@@ -329,6 +332,7 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="rollout.overlap_decode: decode beside the next micro-batch",
     )
+    ap.add_argument("--deterministic-mode", action="store_true", help="parallel.deterministic_mode")
     ap.add_argument("--vae-dtype", choices=["float32", "bfloat16"], default="float32", help="model.vae_dtype")
     ap.add_argument("--rewards", nargs="+", default=["jpeg", "pickscore"], choices=["jpeg", "pickscore"])
     ap.add_argument("--reward", choices=["jpeg", "pickscore"], help=argparse.SUPPRESS)  # one, in this process

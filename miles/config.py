@@ -204,7 +204,8 @@ class RolloutConfig:
     CUDA stream, while the transformer samples the next micro-batch; the frames wait in pinned host
     memory until scored. The numbers are bitwise those of decoding after the rollout; the VAE's
     decode workspace then counts beside the rollout's in the memory plan. On CPU each micro-batch
-    is decoded right after it is sampled (nothing to overlap). BENCHMARKS.md has its measured gain."""
+    is decoded right after it is sampled (nothing to overlap). On one H200 at the Wan2.1-1.3B shape it
+    hid no time (the transformer keeps the GPU busy: BENCHMARKS.md, run D), hence off by default."""
 
 
 @dataclasses.dataclass(kw_only=True)
