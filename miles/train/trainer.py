@@ -156,39 +156,39 @@ class Trainer:
         )
         self._training_state()
         self.stop = GracefulStop(self.device)  # SIGINT/SIGTERM: save at the next safe point, then exit
-        self.decode_ahead = decode_ahead_for(cfg, self.algorithm, self.model, self.mesh, self.device)
-        self.collector = Collector(
-            cfg=cfg,
-            model=self.model,
-            algorithm=self.algorithm,
-            policy=self.policy,
-            prompts=self.prompts,
-            prompt_cache=self.prompt_cache,
-            sampler=self.sampler,
-            device=self.device,
-            rank=self.rank,
-            stop=self.stop.requested,
-            progress=self.progress,
-            decode_ahead=self.decode_ahead,
-        )
         self.run_lock = lock_run_dir(self.run_dir)  # one launch per run directory, before any write
-        # rollouts, or the batches of the source the algorithm declares (miles.train.sources)
-        self.collector = batch_source(self.algorithm, self.collector)
+        self.collector = self._collector()
         self._open_run_dir()
         if self.resume_from is not None:
             self._resume(self.resume_from)
         else:
             self.logger.truncate_after(0)  # rows of a run that saved no checkpoint are redone
-        print0(
-            f"[miles] world {self.world_size} = dp {self.dims.dp} x sp {self.dims.sp} "
-            f"(ulysses {self.dims.ulysses} x ring {self.dims.ring}); model {self.model.path} "
-            f"({len(self.model.transformers)} expert(s), {self.model.num_attention_heads} heads); "
-            f"{self.num_tokens} tokens/sample ({-(-self.num_tokens // self.dims.sp)} per sp rank); "
-            f"attention backend {self.attention_backend or 'default'}; run dir {self.run_dir}"
-        )
+        self._say_layout()
 
     # ------------------------------------------------------------------------------------------
     # setup
+
+    def _say_layout(self) -> None:
+        """The run's layout, model and directory, once (rank 0)."""
+        d = self.dims
+        print0(
+            f"[miles] world {self.world_size} = dp {d.dp} x sp {d.sp} (ulysses {d.ulysses} x ring {d.ring}); "
+            f"model {self.model.path} ({len(self.model.transformers)} expert(s), "
+            f"{self.model.num_attention_heads} heads); {self.num_tokens} tokens/sample "
+            f"({-(-self.num_tokens // d.sp)} per sp rank); attention backend "
+            f"{self.attention_backend or 'default'}; run dir {self.run_dir}"
+        )
+
+    def _collector(self):
+        """Rollouts (:class:`Collector`), or the batches of the source the algorithm declares
+        (:mod:`miles.train.sources`)."""
+        cfg, model = self.cfg, self.model
+        self.decode_ahead = decode_ahead_for(cfg, self.algorithm, model, self.mesh, self.device)
+        collector = Collector(cfg=cfg, model=model, algorithm=self.algorithm, policy=self.policy,
+                              prompts=self.prompts, prompt_cache=self.prompt_cache, sampler=self.sampler,
+                              device=self.device, rank=self.rank, stop=self.stop.requested,
+                              progress=self.progress, decode_ahead=self.decode_ahead)  # fmt: skip
+        return batch_source(self.algorithm, collector)
 
     def _training_state(self) -> None:
         """AdamW over the trainable parameters, the counters and the EMA."""
