@@ -190,9 +190,11 @@ def find_dispatch_module(model: nn.Module):
     return None
 
 
-def _attention_processors(model: nn.Module) -> list[Any]:
+def _attention_processors(model: nn.Module, only: str | None = None) -> list[Any]:
     seen: dict[int, Any] = {}
-    for m in model.modules():
+    for name, m in model.named_modules():
+        if only is not None and name.rsplit(".", 1)[-1] != only:
+            continue
         proc = getattr(m, "processor", None)
         if proc is not None and hasattr(proc, "_parallel_config"):
             seen.setdefault(id(proc), proc)
@@ -203,8 +205,12 @@ def apply_dispatch_sp_attention(
     model: nn.Module,
     ulysses_group: dist.ProcessGroup | None,
     ring_group: dist.ProcessGroup | None,
+    only: str | None = None,
 ) -> Callable[[], None]:
-    """Install USP self-attention in ``model`` (in place); returns a function that removes it."""
+    """Install USP self-attention in ``model`` (in place); returns a function that removes it.
+
+    ``only``: mark only the processors of attention modules with this name (e.g. ``attn1``), for a
+    model whose processor class forwards its ``_parallel_config`` in cross-attention too."""
     module = find_dispatch_module(model)
     if module is None:
         mro = [f"{c.__module__}.{c.__qualname__}" for c in type(model).__mro__]
@@ -214,7 +220,7 @@ def apply_dispatch_sp_attention(
             f"(model._miles_sp_plan = SequenceParallelPlan(...)) with its own attention_installer, or run "
             f"with --sequence-parallel-size 1."
         )
-    processors = _attention_processors(model)
+    processors = _attention_processors(model, only)
     if not processors:
         raise ValueError(
             f"{type(model).__name__} has no attention processor with a `_parallel_config` attribute, so the "

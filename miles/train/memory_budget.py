@@ -322,8 +322,10 @@ def model_sizes(transformers, text_encoder=None, vae=None) -> ModelSizes:
         named = list(t.named_parameters())
         lora += sum(p.numel() for n, p in named if "lora_" in n)
         base.append(sum(p.numel() for n, p in named if "lora_" not in n))
-    blocks = [max(_numel(b) for b in t.blocks) for t in transformers]
-    outside = [_numel(t) - sum(_numel(b) for b in t.blocks) for t in transformers]
+    from miles.parallel.blocks import transformer_blocks
+
+    blocks = [max(_numel(b) for b in transformer_blocks(t)) for t in transformers]
+    outside = [_numel(t) - sum(_numel(b) for b in transformer_blocks(t)) for t in transformers]
     tcfg = transformers[0].config
     return ModelSizes(
         expert_params=tuple(base),

@@ -32,6 +32,7 @@ from miles.data.prompts import TINY_PROMPTS, GroupSampler, Prompt, check_prompt_
 from miles.models.dtypes import DTYPES
 from miles.models.family import FamilyModel, ModelFamily, family_of, model_folder
 from miles.models.fingerprint import model_fingerprint
+from miles.parallel.blocks import transformer_blocks
 from miles.parallel.compile import resolve_compile
 from miles.parallel.topology import ParallelDims, valid_ulysses_degrees
 from miles.parallel.topology_checks import check_ulysses_within_node, local_world_size_from_env
@@ -402,10 +403,11 @@ def _lora_numel(model: nn.Module, rank: int, targets: list[str]) -> int:
     return total
 
 
-def _sp_plan_rows(transformer: nn.Module) -> list[dict]:
-    from miles.sequence_parallel import GatherOutput, ShardInput, ShardOutput, sequence_parallel_plan
+def _sp_plan_rows(model: FamilyModel, transformer: nn.Module) -> tuple[list[dict], str]:
+    """The boundaries of the family's SP plan for ``transformer`` as rows, and the plan's source."""
+    from miles.sequence_parallel import GatherOutput, ShardInput, ShardOutput
 
-    plan = sequence_parallel_plan(transformer)
+    plan = model.sequence_parallel_plan(transformer)
     rows = []
     for module, specs in plan.boundaries.items():
         for spec in specs:
@@ -425,7 +427,7 @@ def _sp_plan_rows(transformer: nn.Module) -> list[dict]:
                     "expected_dims": spec.expected_dims,
                 }
             )
-    return rows
+    return rows, plan.source
 
 
 def _env_int(name: str) -> int | None:
@@ -509,16 +511,16 @@ def _sp_plan_report(cfg: Config, dims: ParallelDims, model, device_type: str) ->
     except ValueError as e:
         raise PlanError(f"invalid sequence-parallel setup: {e}") from None
     plan_rows: list[dict] = []
-    plan_error = None
+    plan_error, plan_source = None, ""
     for i, transformer in enumerate(model.transformers):
         try:
-            rows = _sp_plan_rows(transformer)
+            rows, source = _sp_plan_rows(model, transformer)
         except (ValueError, TypeError) as e:
             if dims.sp > 1:
                 raise PlanError(f"expert {i} has no usable sequence-parallel plan: {e}") from None
-            plan_error, rows = str(e), []
+            plan_error, rows, source = str(e), [], f"{type(transformer).__name__}._cp_plan"
         if i == 0:
-            plan_rows = rows
+            plan_rows, plan_source = rows, source
     ring_kernel = None
     if dims.ring > 1:
         ring_kernel = {
@@ -527,7 +529,7 @@ def _sp_plan_report(cfg: Config, dims: ParallelDims, model, device_type: str) ->
         }
     return {
         "enabled": dims.sp > 1,
-        "source": f"{type(model.transformers[0]).__name__}._cp_plan",
+        "source": plan_source,
         "boundaries": plan_rows,
         "error": plan_error,
         "attention_backend": backend,
@@ -576,8 +578,8 @@ def _param_report(cfg: Config, model) -> tuple[dict, ModelSizes]:
     """Exact parameter counts from the meta modules, and the sizes the memory terms take."""
     tcfg = model.transformers[0].config
     per_expert = [_numel(t) for t in model.transformers]
-    blocks = [max(_numel(b) for b in t.blocks) for t in model.transformers]
-    roots = [_numel(t) - sum(_numel(b) for b in t.blocks) for t in model.transformers]
+    blocks = [max(_numel(b) for b in transformer_blocks(t)) for t in model.transformers]
+    roots = [_numel(t) - sum(_numel(b) for b in transformer_blocks(t)) for t in model.transformers]
     lora = 0
     if cfg.model.lora_rank > 0:
         lora_per = [
