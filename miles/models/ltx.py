@@ -44,8 +44,10 @@ def pack_text(embeds: Tensor, mask: Tensor) -> Tensor:
 
 
 def unpack_text(text: Tensor) -> tuple[Tensor, Tensor]:
-    """(embeds (B, L, D), boolean mask (B, L)) of a text condition of :func:`pack_text`."""
-    return text[..., :-1], text[..., -1] > 0.5
+    """(embeds (B, L, D), boolean mask (B, L)) of a text condition of :func:`pack_text`. The embeddings
+    are made contiguous, as the pipeline's are: a strided (B, L, D) view takes another matmul path
+    (on the CPU, in bf16: other roundings)."""
+    return text[..., :-1].contiguous(), text[..., -1] > 0.5
 
 
 @dataclass(frozen=True)
@@ -86,7 +88,9 @@ class LTXRouting:
         pt, p = cfg.patch_size_t, cfg.patch_size
         embeds, mask = unpack_text(text)
         out = expert(
-            hidden_states=LTXPipeline._pack_latents(x, p, pt),
+            # contiguous, as the pipeline's latents are after each scheduler step (a strided view
+            # takes another matmul path: other bf16 roundings, and sharding would make it contiguous)
+            hidden_states=LTXPipeline._pack_latents(x, p, pt).contiguous(),
             encoder_hidden_states=embeds,
             timestep=timestep,
             encoder_attention_mask=mask,
