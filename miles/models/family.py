@@ -74,6 +74,12 @@ class FamilyModel(Protocol):
     @property
     def num_attention_heads(self) -> int: ...
 
+    @property
+    def architecture(self) -> dict:
+        """The expert's sizes the run plan and memory model read: ``num_layers``, ``ffn_dim``,
+        ``text_dim`` (the width of the text condition :meth:`encode_prompts` returns) and
+        ``patch_size`` (t, h, w)."""
+
     def latent_shape(self, num_frames: int, height: int, width: int) -> tuple[int, int, int, int]: ...
 
     def num_tokens(self, num_frames: int, height: int, width: int) -> int: ...
@@ -85,6 +91,10 @@ class FamilyModel(Protocol):
     def encode_prompts(self, prompts: list[str], negative_prompt: str, max_sequence_length: int, device):
         """(prompt, negative) text conditions, each (B, L, D'): an opaque tensor to the run (cached,
         batched, CFG-concatenated along the batch) that only :meth:`ExpertRouting.forward` reads."""
+
+    def encode_texts(self, texts: list[str], max_sequence_length: int, device) -> Tensor:
+        """The text conditions (N, L, D') of ``texts``, as :meth:`encode_prompts` encodes each row
+        (the prompt cache encodes every unique prompt once with it)."""
 
     def encode_images(self, images: list, num_frames: int, height: int, width: int, device): ...
 

@@ -128,6 +128,16 @@ class LTXModel:
     def num_attention_heads(self) -> int:
         return self.transformers[0].config.num_attention_heads
 
+    @property
+    def architecture(self) -> dict:
+        c = self.transformers[0].config
+        return {
+            "num_layers": c.num_layers,
+            "ffn_dim": 4 * c.num_attention_heads * c.attention_head_dim,  # diffusers' FeedForward, mult 4
+            "text_dim": c.caption_channels + 1,  # the T5 embeddings and the mask channel (pack_text)
+            "patch_size": (c.patch_size_t, c.patch_size, c.patch_size),
+        }
+
     def latent_shape(self, num_frames: int, height: int, width: int) -> tuple[int, int, int, int]:
         t, s = _ratios(self.pipeline.vae.config)
         return (self.transformers[0].config.out_channels, (num_frames - 1) // t + 1, height // s, width // s)
@@ -178,6 +188,17 @@ class LTXModel:
             if self.text_encoder_offload:
                 pipe.text_encoder.to(home)
         return pack_text(pos, pos_mask), pack_text(neg, neg_mask)
+
+    @torch.no_grad()
+    def encode_texts(self, texts: list[str], max_sequence_length: int, device) -> Tensor:
+        """(N, L, D + 1) text conditions of ``texts`` (no CFG): embeddings and mask (:func:`pack_text`)."""
+        embeds, mask, _, _ = self.pipeline.encode_prompt(
+            prompt=texts,
+            do_classifier_free_guidance=False,
+            max_sequence_length=max_sequence_length,
+            device=device,
+        )
+        return pack_text(embeds, mask)
 
     def encode_images(self, images: list, num_frames: int, height: int, width: int, device):
         raise ValueError(f"{self.path} is a text-to-video model: it takes no image")

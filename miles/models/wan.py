@@ -117,6 +117,16 @@ class WanModel:
         return self.transformers[0].config.num_attention_heads
 
     @property
+    def architecture(self) -> dict:
+        c = self.transformers[0].config
+        return {
+            "num_layers": c.num_layers,
+            "ffn_dim": c.ffn_dim,
+            "text_dim": c.text_dim,
+            "patch_size": tuple(c.patch_size),
+        }
+
+    @property
     def latent_channels(self) -> int:
         # the denoised channels; an I2V transformer's in_channels also count the image condition
         return self.transformers[0].config.out_channels
@@ -157,6 +167,17 @@ class WanModel:
             if self.text_encoder_offload:
                 pipe.text_encoder.to(home)
         return pos, neg
+
+    @torch.no_grad()
+    def encode_texts(self, texts: list[str], max_sequence_length: int, device) -> Tensor:
+        """(N, L, D) embeddings of ``texts``: the pipeline's encoder output as is (no CFG)."""
+        embeds, _ = self.pipeline.encode_prompt(
+            prompt=texts,
+            do_classifier_free_guidance=False,
+            max_sequence_length=max_sequence_length,
+            device=device,
+        )
+        return embeds
 
     @torch.no_grad()
     def encode_images(self, images: list, num_frames: int, height: int, width: int, device):

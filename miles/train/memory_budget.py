@@ -314,9 +314,10 @@ def _numel(module) -> int:
     return sum(p.numel() for p in module.parameters()) if module is not None else 0
 
 
-def model_sizes(transformers, text_encoder=None, vae=None) -> ModelSizes:
+def model_sizes(transformers, text_encoder=None, vae=None, architecture: dict | None = None) -> ModelSizes:
     """:class:`ModelSizes` of loaded (or meta) modules; LoRA adapters (``lora_`` parameters) are
-    counted apart from the base. Call it before FSDP shards them (or on DTensors: global counts)."""
+    counted apart from the base. Call it before FSDP shards them (or on DTensors: global counts).
+    ``architecture``: the family's sizes (``FamilyModel.architecture``; default: a Wan config's)."""
     base, lora = [], 0
     for t in transformers:
         named = list(t.named_parameters())
@@ -333,8 +334,8 @@ def model_sizes(transformers, text_encoder=None, vae=None) -> ModelSizes:
         largest_block=max(blocks),
         outside_blocks=max(outside),
         hidden_size=tcfg.num_attention_heads * tcfg.attention_head_dim,
-        ffn_dim=tcfg.ffn_dim,
-        text_dim=tcfg.text_dim,
+        ffn_dim=architecture["ffn_dim"] if architecture else tcfg.ffn_dim,
+        text_dim=architecture["text_dim"] if architecture else tcfg.text_dim,
         text_encoder_params=_numel(text_encoder),
         vae_params=_numel(vae),
         **vae_fields(vae),

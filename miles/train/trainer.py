@@ -119,6 +119,7 @@ class Trainer:
             device=self.device,
             offload=cfg.model.text_encoder_offload,
             batch_size=cfg.train.micro_batch_size,
+            encode_texts=self.model.encode_texts,
         )
         tokenizer = getattr(self.model.pipeline, "tokenizer", None)
         warn_truncated_prompts(cfg, tokenizer, self.prompts, self.eval_prompts, self.rank)  # as the dry run
@@ -254,7 +255,7 @@ class Trainer:
         loaded modules' parameter counts (LoRA adapters installed, nothing sharded yet) and the
         loaded reward models' bytes on the device."""
         pipe = self.model.pipeline
-        sizes = model_sizes(self.model.transformers, pipe.text_encoder, pipe.vae)
+        sizes = model_sizes(self.model.transformers, pipe.text_encoder, pipe.vae, self.model.architecture)
         shape = rollout_shape(self.cfg, self.model, self.dims.sp, self.plan.num_sde_steps)
         mixes = [self.rewards] + ([self.gold_rewards] if self.gold_rewards is not None else [])
         rewards = resident_bytes([r for mix in mixes for r in mix.rewards.values()], self.device)
