@@ -48,8 +48,8 @@ class ExpertRouting(Protocol):
     def forward(self, expert: nn.Module, x: Tensor, timestep: Tensor, text: Tensor, **extra) -> Tensor:
         """``expert``'s output (B, C, F, H, W) at model input ``x`` (B, C, F, H, W), its timestep and
         the family's text condition ``text`` (what :meth:`FamilyModel.encode_prompts` returned, rows
-        as the batch): how the family's experts take the latent and the text (Wan: as they are; LTX:
-        the latent packed into tokens, the text's attention mask from its last channel)."""
+        as the batch): how the family's experts take the latent and the text (as they are, or the
+        latent packed into tokens and the text's mask read from the condition)."""
 
     def report(self, num_experts: int) -> dict:
         """The run plan's fields for the routing, with ``expert_switch`` and ``timestep_layout``
