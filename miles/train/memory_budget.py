@@ -89,7 +89,13 @@ _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 2}  # text en
 # of each family (tests/unit/test_resident_memory.py measures it again). The Wan2.2 VAE (residual,
 # patch 2) runs its last stages at half resolution. Against the GPU rehearsal (81 frames): the Wan2.1
 # VAE at 480x832 kept 8.76 GiB, this says 8.0; the Wan2.2 VAE at 704x1280 20.6, this says 20.0.
-_VAE_DECODER_BYTES = {"wan2.1": 51.0, "wan2.2": 21.4}
+_VAE_DECODER_BYTES = {"wan2.1": 51.0, "wan2.2": 21.4, "ltx": 0.31}
+# LTX-Video's AutoencoderKLLTXVideo decodes the whole clip at once, at 1/32 to 1/4 of the output
+# resolution but every frame together: its term is per output pixel of the clip (all frames), per
+# channel of ``decoder_block_out_channels[0]`` (measured on CPU at 1/8 and 1/4 of the published
+# widths: 0.318 and 0.302; wider CPU runs add the convolutions' packed weight copies, quadratic in
+# the width). Wan's VAE decodes frame by frame (causal cache): its term is per frame.
+_VAE_WHOLE_CLIP = frozenset({"ltx"})
 _VAE_TILE = 256  # diffusers' AutoencoderKLWan tile_sample_min_height/width
 
 
@@ -253,7 +259,11 @@ def _buffer_bytes(shape: RolloutShape, text_dim: int, c: int) -> float:
 
 
 def vae_widths(vae_config) -> tuple[int, str]:
-    """The decoder's base width and the VAE family (``_VAE_DECODER_BYTES``) of an AutoencoderKLWan config."""
+    """The decoder's base width and the VAE family (``_VAE_DECODER_BYTES``) of an AutoencoderKLWan
+    (or AutoencoderKLLTXVideo: ``decoder_block_out_channels``) config."""
+    ltx_widths = getattr(vae_config, "decoder_block_out_channels", None)
+    if ltx_widths:
+        return int(ltx_widths[0]), "ltx"
     base = int(getattr(vae_config, "decoder_base_dim", None) or getattr(vae_config, "base_dim", 96) or 96)
     return base, "wan2.2" if getattr(vae_config, "is_residual", False) else "wan2.1"
 
@@ -266,6 +276,8 @@ def _decode_bytes(shape: RolloutShape, base_dim: int, family: str, v: int, tilin
         h, w = min(h, _VAE_TILE), min(w, _VAE_TILE)
     video = 2 * 3 * shape.num_frames * shape.height * shape.width * 4
     stage = _VAE_DECODER_BYTES[family] * base_dim * h * w * v
+    if family in _VAE_WHOLE_CLIP:
+        stage *= shape.num_frames
     return shape.micro_batch * (video + stage)
 
 
