@@ -20,6 +20,9 @@ self-attention and passes ``parallel_config=None`` for text and image cross-atte
 - marked call (self-attention)  -> ``usp_attention`` (no diffusers parallel_config downstream)
 - any other call                -> the original ``dispatch_attention_fn``, untouched
 
+A family whose processor forwards ``_parallel_config`` in its (masked) cross-attention too marks
+only its self-attention modules (``only``: e.g. ``attn1``), through its family plan's installer.
+
 The processors themselves are never replaced; the attention backend chosen with diffusers'
 ``set_attention_backend`` reaches the wrapper as the ordinary ``backend=`` keyword and picks
 the ring kernel. The module global is process-wide (two experts share it), so the wrapper is
