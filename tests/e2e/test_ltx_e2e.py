@@ -69,7 +69,8 @@ def test_ltx_export_loads_in_diffusers(runs):
     from miles.models.tiny import tiny_model_path
 
     pipe = LTXPipeline.from_pretrained(runs["ltx_grpo_dp2"] / "export" / "pipeline", local_files_only=True)
-    base = LTXPipeline.from_pretrained(tiny_model_path(".cache/tiny-wan", "ltx"), local_files_only=True)
+    tiny = tiny_model_path(Path(__file__).resolve().parents[2] / ".cache" / "tiny-wan", "ltx")
+    base = LTXPipeline.from_pretrained(tiny, local_files_only=True)
     trained, initial = pipe.transformer.state_dict(), base.transformer.state_dict()
     assert trained.keys() == initial.keys()
     assert any(not torch.equal(trained[k], initial[k]) for k in trained)  # the trained weights
