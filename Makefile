@@ -6,6 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 TINY_DIR ?= .cache/tiny-wan
 NPROC ?= 4
+TORCH_VERSION ?= 2.13.0
 TORCHRUN := $(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC)
 
 .PHONY: setup lint format test test-fast e2e e2e-random e2e-gpu e2e-bands tiny-model world-model world-i2v-model bench bench-learning clean
@@ -15,11 +16,9 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# Without CUDA, install the CPU torch wheel first so nothing pulls a multi-GB CUDA build.
-	if ! command -v nvidia-smi >/dev/null 2>&1; then \
-		$(PY) -m pip install -q torch==2.13.0 || \
-		$(PY) -m pip install -q torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu; \
-	fi
+	# torch first: the CPU wheel (https://download.pytorch.org/whl/cpu, or a local wheel) without a
+	# GPU, so nothing pulls a multi-GB CUDA build; the CUDA one where nvidia-smi lists a GPU.
+	launch/install_torch.sh $(PY) $(TORCH_VERSION)
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $(STAMP)
 

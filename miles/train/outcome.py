@@ -17,6 +17,7 @@ import json
 import shlex
 from pathlib import Path
 
+from miles.launch import launch_prefix
 from miles.train.checkpoint import latest_checkpoint
 
 
@@ -74,9 +75,12 @@ def finished_note(
 _FRESH_START_FLAGS = ("--train.no-resume", "--train.overwrite")
 
 
-def resume_command(argv: list[str]) -> str:
-    """The command that resumes the launch of ``argv`` (its flags, less those of a fresh start)."""
-    return "train_grpo.py " + " ".join(shlex.quote(a) for a in argv if a not in _FRESH_START_FLAGS)
+def resume_command(argv: list[str], script: str = "train_grpo.py") -> str:
+    """The command that resumes the launch of ``argv`` (the script's flags, less those of a fresh
+    start), as the user typed it: ``torchrun --nproc-per-node 4 train_grpo.py ...`` under torchrun
+    (miles/launch.py: ``launch_prefix``)."""
+    words = [*launch_prefix([script]), *(a for a in argv if a not in _FRESH_START_FLAGS)]
+    return " ".join(shlex.quote(w) for w in words)
 
 
 def stopped_line(

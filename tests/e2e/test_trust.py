@@ -35,8 +35,8 @@ SMALL = [
 ]  # fmt: skip
 
 
-def _cmd(root: Path, *flags: str) -> list[str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"]
+def _cmd(root: Path, *flags: str, launcher: str = "torch.distributed.run") -> list[str]:
+    cmd = [sys.executable, "-m", launcher, "--standalone", "--nproc-per-node", "1"]
     cmd += ["--max-restarts", "0", "train_grpo.py", "--config", "configs/tiny_cpu.yaml"]
     return cmd + ["--run.output-dir", str(root), "--run.name", "trust", *SMALL, *flags]
 
@@ -80,8 +80,8 @@ def test_changed_bytes_fall_back_and_a_second_launch_is_refused(tmp_path):
             lines.append(line)
             if "[miles] resumed from" in line:
                 break
-        third = subprocess.run(
-            _cmd(tmp_path, "--train.num-rollouts", "3"),
+        third = subprocess.run(  # through miles.launch: one line and exit code 2 (issue 46)
+            _cmd(tmp_path, "--train.num-rollouts", "3", launcher="miles.launch"),
             cwd=REPO,
             env=ENV,
             capture_output=True,
@@ -98,7 +98,11 @@ def test_changed_bytes_fall_back_and_a_second_launch_is_refused(tmp_path):
     ), out
     assert f"[miles] resumed from {ckpts / 'step_000001'} (step 1," in out, out
     refused = " ".join((third.stdout + third.stderr).split())
-    assert third.returncode != 0, refused
+    assert third.returncode == 2, refused
+    assert "Traceback" not in third.stderr and "ChildFailedError" not in third.stderr, third.stderr
+    assert [line for line in third.stderr.splitlines() if line.startswith("error")] == [
+        third.stderr.strip().splitlines()[-1]
+    ], third.stderr  # the refusal is the one error line, and the last
     assert (
         f"is in use by another launch (pid {second.pid}" not in refused
     )  # torchrun's pid is not the worker's
