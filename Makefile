@@ -7,7 +7,8 @@ STAMP := $(VENV)/.installed-stamp
 TINY_DIR ?= .cache/tiny-wan
 NPROC ?= 4
 TORCH_VERSION ?= 2.13.0
-TORCHRUN := $(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC)
+# torchrun through miles.launch: a refusal ends in one line and exit code 2, with no launcher traceback
+TORCHRUN := $(PY) -m miles.launch --standalone --nproc-per-node $(NPROC)
 
 .PHONY: setup lint format test test-fast e2e e2e-random e2e-gpu e2e-bands tiny-model world-model world-i2v-model bench bench-learning clean
 
@@ -67,7 +68,7 @@ world-model: setup
 
 # The same recipe shape on one GPU.
 e2e-gpu: tiny-model
-	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(VENV)/bin/torchrun --standalone --nproc-per-node 1 train_grpo.py \
+	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(PY) -m miles.launch --standalone --nproc-per-node 1 train_grpo.py \
 		--config configs/tiny_gpu.yaml
 
 # Every SP band (sp1/dp4, u4r1, u2r2, u1r4, dp2xu2) for 5 rollouts, each run twice: a table in runs/bands.
