@@ -45,7 +45,7 @@ test-fast: setup tiny-model
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q tests/unit
 
 # The main job: GRPO on the pretrained tiny world (miles/world), 4 CPU processes as dp2 x sp2;
-# the held-out evaluation (eval.jsonl, eval/step_N.gif) rises from the pretrained baseline.
+# the held-out evaluation (eval.jsonl, eval/step_N.{json,mp4}) rises from the pretrained baseline.
 e2e: setup
 	HF_HUB_OFFLINE=1 WANDB_MODE=offline OMP_NUM_THREADS=1 $(TORCHRUN) train_grpo.py \
 		--config configs/world_cpu.yaml --sequence-parallel-size 2 --data.prompts-per-rank 4 --train.num-rollouts 10

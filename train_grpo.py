@@ -58,11 +58,20 @@ def main(argv: list[str] | None = None) -> int:
 
     from miles.train.checkpoint import CheckpointWriteError
     from miles.train.export import ExportWriteError
-    from miles.train.outcome import finished_note, result_line
+    from miles.train.outcome import finished_at_launch, finished_note, result_line
     from miles.train.reward_failure import RewardFailed
+
+    try:
+        if note := finished_at_launch(cfg):  # a finished run: said before anything is built
+            if int(os.environ.get("RANK", "0")) == 0:
+                print(note, flush=True)
+            return 0
+    except ValueError as e:  # its directory in use by another launch
+        report_user_error(e)
+        return 2
     from miles.train.trainer import Trainer
 
-    trainer = None
+    trainer, last_line = None, None
     try:
         try:
             trainer = Trainer(cfg)
@@ -79,8 +88,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(note, flush=True)
             return 0
         trainer.train()  # a SIGINT/SIGTERM ends it early with a checkpoint (miles/train/stop.py)
-        if rank0 and not trainer.stop.agreed:
-            print(result_line(run_dir, trainer.rollout_index, trainer.step), flush=True)
+        if rank0 and not trainer.stop.agreed:  # printed last, after the logger closed (wandb's lines)
+            uses_rewards = trainer.algorithm.uses_rewards
+            last_line = result_line(run_dir, trainer.rollout_index, trainer.step, uses_rewards)
     except (CheckpointWriteError, ExportWriteError, RewardFailed) as e:  # raised on every rank
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {e}", file=sys.stderr)
@@ -108,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
             trainer.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+    if last_line:
+        print(last_line, flush=True)
     return 0
 
 

@@ -67,7 +67,7 @@ TRAJECTORY_RTOL = 1e-3
 # Wall-clock and machine-dependent metrics, left out of the bitwise double-run comparison.
 VOLATILE_PREFIXES = ("time/", "perf/", "memory/")
 ROLLOUT_LINE = re.compile(
-    r"\[rollout (\d+)\] step (\d+) reward mean=(\S+) std=(\S+) min=(\S+) max=(\S+)"
+    r"\[rollout (\d+)\] step (\d+) (?:reward mean=(\S+) std=(\S+) min=(\S+) max=(\S+))?"  # SFT: none
     r"(?: .*log_prob_mean_abs_diff=(\S+))?"  # Flow-GRPO's canary; DiffusionNFT has none
 )
 

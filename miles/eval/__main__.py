@@ -158,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         dp_group=dist.group.WORLD if world > 1 else None,
         keep_videos=rank == 0 and cfg.eval.log_videos,
         images=[p.image for p in held_out] if image_to_video else None,
+        progress=show_progress(cfg.run.progress),  # rank 0 on a terminal
     )
     if rank == 0:
         paths = write_eval(result, out, "eval")
