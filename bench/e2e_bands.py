@@ -433,7 +433,7 @@ def render(summary: dict) -> str:
         if "reward0" not in r:
             lines.append(f"| {r['band']} | {layout} | FAILED: {'; '.join(r['errors'])} |")
             continue
-        rw, c = r["reward0"], r["canary"]
+        rw, c = {k: v or "—" for k, v in r["reward0"].items()}, r["canary"]  # SFT: no reward
         row = (
             f"| {r['band']} | {layout} | {rw['mean']} | {rw['std']} | {rw['min']} | {rw['max']} | "
             f"{c[0]:.1e} → {c[-1]:.1e} | {r['step_time_mean_s']:.2f} | {r['optimizer_steps']} |"
