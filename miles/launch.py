@@ -63,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     agent_log.propagate = False
     try:
         run(parse_args(argv))
+        held.replay()  # a success: what the agent said (restarts under --max-restarts) is shown
     except ChildFailedError as e:
         _, failure = e.get_first_failure()
         if failure.exitcode in QUIET_EXIT_CODES:
