@@ -46,6 +46,12 @@ class LTXFamily:
             raise ValueError(
                 f"model.task {cfg.model.task!r}: LTX-Video folders are text-to-video; set model.task auto"
             )
+        eval_cfg = getattr(cfg, "eval", None)
+        if eval_cfg is not None and eval_cfg.prompt_file and eval_cfg.sampler == "pipeline":
+            raise ValueError(
+                "eval.sampler pipeline: LTX-Video's scheduler takes its shift from the token count "
+                "(use_dynamic_shifting), which the pipeline sampler does not pass yet; use eval.sampler rollout"
+            )
         for sub in ("transformer", "vae"):
             if not (path / sub / "config.json").is_file():
                 raise ValueError(f"model.path {path} lacks {sub}/config.json (the dry run reads it)")

@@ -108,3 +108,22 @@ def test_latent_normalisation_and_decode_are_the_pipelines(ltx):
     mode = vae.encode(clip.permute(1, 0, 2, 3)[None] * 2 - 1).latent_dist.mode()
     norm = LTXPipeline._normalize_latents(mode, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
     assert torch.equal(latent, norm[0])
+
+
+def test_the_dry_run_refuses_the_pipeline_eval_sampler():
+    """LTX's scheduler needs the token-count shift (mu) the pipeline eval sampler does not pass: refused
+    at planning with the fix, not at the first evaluation."""
+    from miles.config import parse_args
+    from miles.train.plan import PlanError, plan_run
+
+    repo = TINY_DIR.parents[1]
+    flags = ["--config", str(repo / "configs" / "tiny_ltx_cpu.yaml"), "--model.tiny-model-dir", str(TINY_DIR)]
+    flags += [
+        "--eval.prompt-file",
+        str(repo / "miles" / "data" / "tiny_prompts.txt"),
+        "--eval.sampler",
+        "pipeline",
+    ]
+    cfg, _ = parse_args(flags)
+    with pytest.raises(PlanError, match="use eval.sampler rollout"):
+        plan_run(cfg, 1, device_type="cpu")
