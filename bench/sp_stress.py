@@ -18,6 +18,8 @@ prints every thread's Python stack) and, by ``--check``:
   ``MALLOC_CHECK_=3``) and ``MALLOC_PERTURB_``: freed memory is overwritten, so a read after free
   gives garbage (a bitwise-different run or a crash) and a write after free or a double free
   aborts at the next check instead of much later;
+- ``perturb``: ``MALLOC_PERTURB_`` alone, on glibc's own allocator (its per-thread caches, the
+  ``tcache`` of the reported ``malloc(): unaligned tcache chunk detected``, stay on);
 - ``asan``: ``libasan`` preloaded (gcc's), no recompilation: every ``malloc``/``free`` is tracked and
   freed blocks are quarantined; the intercepted ``memcpy``/``read``/``recv`` of uninstrumented code
   (gloo, torch) are checked against freed and out-of-bounds memory. The report goes to
@@ -77,8 +79,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--minutes", type=float, default=None, help="start no launch after this many minutes")
     p.add_argument("--rollouts", type=int, default=2, help="rollouts per launch (2 optimizer steps each)")
     p.add_argument("--prompts", type=int, default=8, help="global prompt groups per rollout")
-    p.add_argument("--check", choices=("malloc", "asan", "none"), default="malloc", help="heap checking")
-    p.add_argument("--perturb", type=int, default=165, help="MALLOC_PERTURB_ byte with --check malloc")
+    p.add_argument(
+        "--check", choices=("malloc", "perturb", "asan", "none"), default="malloc", help="heap checking"
+    )
+    p.add_argument("--perturb", type=int, default=165, help="MALLOC_PERTURB_ byte (--check malloc, perturb)")
     p.add_argument("--load", type=int, default=0, help="busy processes (nice 19) beside the launches")
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per launch")
@@ -97,6 +101,8 @@ def check_env(check: str, perturb: int, log_stem: Path) -> dict[str, str]:
     """The environment variables of ``--check`` (empty for none); raises when its library is missing."""
     if check == "none":
         return {}
+    if check == "perturb":  # glibc's own allocator, tcache and all (the reported crash's)
+        return {"MALLOC_PERTURB_": str(perturb)}
     if check == "malloc":
         lib = next((p for p in MALLOC_DEBUG if Path(p).exists()), None)
         env = {"MALLOC_CHECK_": "3", "MALLOC_PERTURB_": str(perturb)}
