@@ -84,16 +84,15 @@ RewardConfig = _reward_config_class()
 
 
 def _algorithm_config_class() -> type:
-    """``AlgorithmConfig``: ``name``, one of the registered algorithms (``miles.algorithms``); its
-    ``--help`` has one line per algorithm (each algorithm's ``summary``)."""
+    """``AlgorithmConfig``: ``name``, one of the registered algorithms (``miles.algorithms``; the
+    default is the first registered), its ``--help`` one line per algorithm (each one's ``summary``)."""
     names = tuple(algorithm_names())
     doc = (
         "The RL algorithm (``miles.algorithms``): what the rollout records and the loss. " + algorithm_help()
     )
     name_type = Annotated[Literal[names], tyro.conf.arg(help=doc)]
-    default = "flow_grpo" if "flow_grpo" in names else names[0]
     cls = dataclasses.make_dataclass(
-        "AlgorithmConfig", [("name", name_type, dataclasses.field(default=default))], kw_only=True
+        "AlgorithmConfig", [("name", name_type, dataclasses.field(default=names[0]))], kw_only=True
     )
     cls.__module__ = __name__
     return cls
@@ -289,7 +288,11 @@ def load_config_file(path: str | Path) -> Config:
 
 
 # Fields that hold secrets: written out (config.yaml, checkpoints, wandb) only as whether they were set.
-SECRET_FIELDS = ("reward.remote.token",)
+SECRET_FIELDS = tuple(
+    f"reward.{name}.{key}"
+    for name, options in reward_option_classes().items()
+    for key in getattr(options, "SECRETS", ())  # a reward's options name their secret fields
+)
 REDACTED = "<set; not saved>"
 
 

@@ -30,7 +30,7 @@ from torch import Tensor
 
 from miles.algorithms import register_algorithm
 from miles.algorithms.base import Algorithm, Policy
-from miles.parallel.fsdp import compute_dtype
+from miles.dtypes import compute_dtype
 from miles.rollout.batch import MicroBatch, RolloutBatch
 from miles.rollout.condition import generated
 from miles.rollout.sampler import NUM_TRAIN_TIMESTEPS
