@@ -31,6 +31,7 @@ from miles.algorithms import algorithm_errors, algorithm_help, algorithm_names, 
 from miles.config_cli import LAUNCHER_HELP, cli_registry, pop_reward_weights
 from miles.config_load import ConfigError, check_ranges, load_recipe, numeric_fields
 from miles.rewards import reward_option_classes  # the rewards register themselves and their options
+from miles.rewards.from_config import check_reward_names as reward_name_check
 from miles.sections import RANGES as SECTION_RANGES
 from miles.sections import (
     DataConfig,
@@ -266,19 +267,12 @@ def config_warnings(cfg: Config) -> list[str]:
 
 
 def check_reward_names(cfg: Config) -> None:
-    """Every name in ``reward.weights`` is a registered reward (imports the reward registry)."""
-    from miles.rewards import registered_rewards
-
-    known = registered_rewards()
-    for name in cfg.reward.weights:
-        if name not in known:
-            raise ConfigError(
-                f"reward.weights names an unknown reward {name!r}; registered rewards: {known} "
-                "(set one with --reward.weights.NAME WEIGHT)"
-            )
-    for name in cfg.reward.gold:
-        if name not in known:
-            raise ConfigError(f"reward.gold names an unknown reward {name!r}; registered rewards: {known}")
+    """Every name in ``reward.weights`` and ``reward.gold`` is a registered reward (the rewards' own
+    check, :func:`miles.rewards.from_config.check_reward_names`)."""
+    try:
+        reward_name_check(cfg.reward)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def load_config_file(path: str | Path) -> Config:

@@ -28,7 +28,6 @@ from typing import ClassVar, Literal
 import torch
 from torch import Tensor
 
-from miles.algorithms import register_algorithm
 from miles.algorithms.base import Policy
 from miles.algorithms.matching import (
     OnPolicyMatching,
@@ -42,6 +41,7 @@ from miles.algorithms.matching import (
     velocity,
     velocity_gap,
 )
+from miles.algorithms.registry import register_algorithm
 from miles.rollout.batch import MicroBatch, RolloutBatch
 
 _METRICS = ("loss", "policy_loss", "matching_loss", "kl", "ema_kl")

@@ -33,8 +33,8 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from miles.algorithms import register_algorithm
 from miles.algorithms.base import Algorithm, Policy
+from miles.algorithms.registry import register_algorithm
 from miles.rollout.batch import MicroBatch, RolloutBatch
 from miles.rollout.condition import generated
 from miles.rollout.sampler import NUM_TRAIN_TIMESTEPS, flow_sigmas, predict_velocity

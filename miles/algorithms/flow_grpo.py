@@ -33,8 +33,8 @@ from typing import ClassVar, Literal
 
 import torch
 
-from miles.algorithms import register_algorithm
 from miles.algorithms.base import Algorithm, Policy
+from miles.algorithms.registry import register_algorithm
 from miles.algorithms.rollout_correction import RolloutCorrection
 from miles.grpo.losses import grpo_policy_loss
 from miles.rollout.batch import MicroBatch, RolloutBatch

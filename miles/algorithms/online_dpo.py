@@ -32,7 +32,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from miles.algorithms import register_algorithm
 from miles.algorithms.base import Algorithm, Policy
 from miles.algorithms.matching import (
     check_group_per_step,
@@ -45,6 +44,7 @@ from miles.algorithms.matching import (
     trained_part,
     velocity,
 )
+from miles.algorithms.registry import register_algorithm
 from miles.rollout.batch import MicroBatch, RolloutBatch
 
 _METRICS = ("loss", "implicit_accuracy", "pairs_per_group", "matching_loss", "reference_matching_loss")

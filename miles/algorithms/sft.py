@@ -28,8 +28,8 @@ from typing import ClassVar, Literal
 import torch
 from torch import Tensor
 
-from miles.algorithms import register_algorithm
 from miles.algorithms.base import Algorithm, Policy
+from miles.algorithms.registry import register_algorithm
 from miles.dtypes import compute_dtype
 from miles.rollout.batch import MicroBatch, RolloutBatch
 from miles.rollout.condition import generated
