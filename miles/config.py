@@ -23,13 +23,19 @@ import contextvars
 import dataclasses
 import math
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import tyro
 
-from miles.algorithms import algorithm_errors, algorithm_help, algorithm_names, algorithm_option_classes
+from miles.algorithms import (
+    algorithm_errors,
+    algorithm_exclusive_sections,
+    algorithm_help,
+    algorithm_names,
+    algorithm_option_classes,
+)
 from miles.config_cli import LAUNCHER_HELP, cli_registry, pop_reward_weights
-from miles.config_load import ConfigError, check_ranges, load_recipe, numeric_fields
+from miles.config_load import ConfigError, check_ranges, check_rules, load_recipe, numeric_fields
 from miles.rewards import reward_option_classes  # the rewards register themselves and their options
 from miles.rewards.from_config import check_reward_names as reward_name_check
 from miles.sections import RANGES as SECTION_RANGES
@@ -157,6 +163,7 @@ RANGES: dict[str, tuple[str, str]] = {
     **_option_ranges("", algorithm_option_classes()),
     **_option_ranges("reward.", reward_option_classes()),
 }
+check_rules(RANGES)  # each rule parses at import, not when a value first meets it
 
 
 def check_run_name(run: RunConfig) -> None:
@@ -229,6 +236,12 @@ def validate(cfg: Config) -> None:
             "--train.overwrite deletes the previous run: it needs --train.no-resume",
         ),
         (len(cfg.train.adam_betas) == 2, "train.adam_betas must have two values"),
+        (
+            cfg.train.learning_rate * cfg.train.weight_decay < 1,
+            f"train.learning_rate * train.weight_decay = {cfg.train.learning_rate * cfg.train.weight_decay:g}: "
+            "AdamW multiplies every weight by 1 - lr * weight_decay each step, so >= 1 zeroes (or flips) "
+            "them all; fine-tunes use a weight decay of 0 to 0.1",
+        ),
         *((False, message) for message in algorithm_errors(cfg)),  # the algorithm's own checks
         (bool(cfg.reward.weights), "reward.weights must name at least one reward"),
     ]
@@ -254,8 +267,16 @@ def validate(cfg: Config) -> None:
         raise ConfigError(str(e)) from None
 
 
+def _changed(section: Any, names: list[str] | None = None) -> list[str]:
+    """The fields of a config section set to other than their default."""
+    default = type(section)()
+    fields = names or [f.name for f in dataclasses.fields(section)]
+    return [n for n in fields if getattr(section, n) != getattr(default, n)]
+
+
 def config_warnings(cfg: Config) -> list[str]:
-    """Settings that are allowed but most likely a mistake (the entry point prints them once)."""
+    """Settings that are allowed but most likely a mistake (the entry point prints them once): an
+    update that changes nothing, an option that the chosen setting never reads."""
     found = []
     if cfg.train.learning_rate == 0:
         found.append("learning rate 0: the weights will not change (train.learning_rate)")
@@ -263,6 +284,27 @@ def config_warnings(cfg: Config) -> list[str]:
         found.append(
             "reward.gold is scored in evaluation only, and eval.prompt_file is unset: it is never scored"
         )
+    unused = [
+        (f"{section}.{n}", f"algorithm.name is {cfg.algorithm.name}; only {name} reads the {section} section")
+        for section, name in algorithm_exclusive_sections().items()
+        if cfg.algorithm.name != name
+        for n in _changed(getattr(cfg, section))
+    ]
+    if cfg.model.lora_rank == 0:
+        why = "model.lora_rank is 0 (a full fine-tune)"
+        unused += [(f"model.{n}", why) for n in _changed(cfg.model, ["lora_alpha", "lora_target_modules"])]
+    if cfg.rollout.sde_window_size == 0:
+        why = "rollout.sde_window_size is 0 (no window)"
+        unused += [(f"rollout.{n}", why) for n in _changed(cfg.rollout, ["sde_window_range"])]
+    if cfg.rollout.precision == "bf16":
+        why = "rollout.precision is bf16 (no drift to correct)"
+        unused += [(f"rollout.{n}", why) for n in _changed(cfg.rollout, ["tis_cap"])]
+    scored = {*cfg.reward.weights, *cfg.reward.gold}
+    for name in reward_option_classes():
+        if name not in scored:
+            why = f"{name} is in neither reward.weights nor reward.gold"
+            unused += [(f"reward.{name}.{n}", why) for n in _changed(getattr(cfg.reward, name))]
+    found += [f"{key} is set but never read: {why}" for key, why in unused]
     return found
 
 

@@ -13,6 +13,8 @@ from typing import Annotated, Literal
 
 import tyro
 
+from miles.config_load import MAX_STEPS
+
 _NO_PREFIX = tyro.conf.arg(prefix_name=False)
 
 
@@ -274,51 +276,56 @@ class TrainConfig:
     across topologies restores the same bits; gathers every parameter, so off by default)."""
 
 
-# Every numeric field's range: dotted key -> (rule, why). Rules: "any", "> x", ">= x", or an interval
-# "[a, b)" / "(a, b]" / "[a, b]" / "(a, b)". Every number must also be finite (NaN and inf are
-# refused everywhere). A list's items and a mapping's values each follow their field's rule; None
-# (an optional field left unset) is not checked. The algorithms' and the rewards' options declare
-# their own (their class's RANGES); ``miles.config.RANGES`` holds them all, and
-# tests/unit/test_config_ranges.py fails when a numeric field has no row, so a new field cannot skip its check.
+# Every numeric field's range: dotted key -> (rule, why). A rule is an interval "[a, b)" / "(a, b]" /
+# "[a, b]" / "(a, b)", bounded on both sides: the values a real run can use (a setting of 1e30 ends
+# far from its cause: an overflow, a huge allocation, a non-finite loss). Every number must also be
+# finite (NaN and inf are refused everywhere). A list's items and a mapping's values each follow their
+# field's rule; None (an optional field left unset) is not checked. The algorithms' and the rewards'
+# options declare their own (their class's RANGES); ``miles.config.RANGES`` holds them all, and
+# tests/unit/test_config_ranges.py fails when a numeric field has no row, or a row lets a huge value
+# through, so a new field cannot skip its check.
 RANGES: dict[str, tuple[str, str]] = {
-    "run.seed": (">= 0", ""),
-    "run.log_video_every": (">= 0", "0 turns it off"),
-    "run.collective_timeout_s": ("> 0", "seconds a collective may take before the job ends"),
-    "model.activation_memory_budget_gib": ("> 0", ""),
-    "model.lora_rank": (">= 0", "0: full fine-tune"),
-    "model.lora_alpha": ("> 0", "the LoRA scale is alpha / rank"),
-    "parallel.sequence_parallel_size": (">= 1", "1 turns SP off"),
-    "parallel.ulysses_degree": (">= 0", "0 picks it automatically"),
-    "parallel.replicate_size": (">= 1", "1: plain FSDP, no HSDP"),
-    "data.prompts_per_rank": (">= 1", ""),
-    "data.group_size": (">= 2", "GRPO normalises within a group"),
-    "data.max_sequence_length": (">= 1", "text tokens fed to the text encoder; Wan uses 512"),
-    "rollout.num_frames": (">= 1", "4k+1 frames: 1, 5, 9, ... 81"),
-    "rollout.height": ("> 0", "pixels, a multiple of 16"),
-    "rollout.width": ("> 0", "pixels, a multiple of 16"),
-    "rollout.num_steps": (">= 2", ""),
-    "rollout.shift": ("> 0", "Wan uses 3.0 at 480p, 5.0 at 720p"),
-    "rollout.guidance_scale": (">= 0", "<= 1 turns CFG off"),
-    "rollout.guidance_scale_2": (">= 0", "<= 1 turns CFG off"),
-    "rollout.noise_level": (">= 0", ""),
+    "run.seed": ("[0, 9223372036854775807]", "an int64"),
+    "run.log_video_every": (f"[0, {MAX_STEPS}]", "0 turns it off"),
+    "run.collective_timeout_s": (
+        "(0, 604800]",
+        "seconds a collective may take before the job ends (a week at most)",
+    ),
+    "model.activation_memory_budget_gib": ("(0, 4096]", "GiB of one GPU"),
+    "model.lora_rank": ("[0, 4096]", "0: full fine-tune; Wan's widest layer is 5120"),
+    "model.lora_alpha": ("(0, 1e4]", "the LoRA scale is alpha / rank"),
+    "parallel.sequence_parallel_size": ("[1, 4096]", "1 turns SP off"),
+    "parallel.ulysses_degree": ("[0, 4096]", "0 picks it automatically"),
+    "parallel.replicate_size": ("[1, 4096]", "1: plain FSDP, no HSDP"),
+    "data.prompts_per_rank": ("[1, 4096]", ""),
+    "data.group_size": ("[2, 4096]", "GRPO normalises within a group"),
+    "data.max_sequence_length": ("[1, 4096]", "text tokens fed to the text encoder; Wan uses 512"),
+    "rollout.num_frames": ("[1, 4097]", "4k+1 frames: 1, 5, 9, ... 81"),
+    "rollout.height": ("(0, 8192]", "pixels, a multiple of 16"),
+    "rollout.width": ("(0, 8192]", "pixels, a multiple of 16"),
+    "rollout.num_steps": ("[2, 1000]", "the scheduler has 1000 timesteps"),
+    "rollout.shift": ("(0, 100]", "Wan uses 3.0 at 480p, 5.0 at 720p"),
+    "rollout.guidance_scale": ("[0, 100]", "<= 1 turns CFG off; Wan uses 5"),
+    "rollout.guidance_scale_2": ("[0, 100]", "<= 1 turns CFG off; Wan uses 5"),
+    "rollout.noise_level": ("[0, 10]", "Flow-GRPO uses 0.7"),
     "rollout.timestep_fraction": ("(0, 1]", ""),
-    "rollout.sde_window_size": (">= 0", "0: no window"),
-    "rollout.sde_window_range": (">= 0", "[lo, hi) of denoising step indices"),
-    "reward.weights": ("any", ""),
-    "reward.num_frames": (">= 1", "frames sampled from each video for frame-level rewards"),
-    "rollout.tis_cap": (">= 0", "0: no correction; otherwise >= 1, 2 is usual"),
-    "eval.every": (">= 0", "0: only at the start and the end"),
-    "eval.num_seeds": (">= 1", ""),
-    "eval.num_steps": (">= 1", ""),
-    "train.num_rollouts": (">= 1", ""),
-    "train.steps_per_rollout": (">= 1", ""),
-    "train.micro_batch_size": (">= 1", ""),
-    "train.learning_rate": (">= 0", "AdamW's step size"),
-    "train.weight_decay": (">= 0", "AdamW's decoupled weight decay"),
+    "rollout.sde_window_size": ("[0, 1000]", "0: no window"),
+    "rollout.sde_window_range": ("[0, 1000]", "[lo, hi) of denoising step indices"),
+    "reward.weights": ("[-1000, 1000]", "a weight of the reward mix"),
+    "reward.num_frames": ("[1, 4097]", "frames sampled from each video for frame-level rewards"),
+    "rollout.tis_cap": ("[0, 1000]", "0: no correction; otherwise >= 1, 2 is usual"),
+    "eval.every": (f"[0, {MAX_STEPS}]", "0: only at the start and the end"),
+    "eval.num_seeds": ("[1, 1000]", ""),
+    "eval.num_steps": ("[1, 1000]", "the scheduler has 1000 timesteps"),
+    "train.num_rollouts": (f"[1, {MAX_STEPS}]", ""),
+    "train.steps_per_rollout": ("[1, 4096]", ""),
+    "train.micro_batch_size": ("[1, 4096]", ""),
+    "train.learning_rate": ("[0, 1]", "AdamW's step size; fine-tunes use 1e-6 to 1e-3"),
+    "train.weight_decay": ("[0, 100]", "AdamW's decoupled weight decay"),
     "train.adam_betas": ("[0, 1)", "AdamW's moment decays"),
-    "train.adam_eps": ("> 0", ""),
-    "train.max_grad_norm": ("> 0", ""),
-    "train.checkpoint_every": (">= 0", "0: only at the end"),
-    "train.keep_checkpoints": (">= 0", "the last K complete checkpoints are kept, 0 keeps every one"),
+    "train.adam_eps": ("(0, 1]", "AdamW uses 1e-8"),
+    "train.max_grad_norm": ("(0, 1e6]", ""),
+    "train.checkpoint_every": (f"[0, {MAX_STEPS}]", "0: only at the end"),
+    "train.keep_checkpoints": ("[0, 1e6]", "the last K complete checkpoints are kept, 0 keeps every one"),
     "train.ema_decay": ("[0, 1)", "0 turns the EMA off"),
 }

@@ -10,6 +10,7 @@ from __future__ import annotations
 from miles.algorithms.base import Algorithm, Policy
 from miles.algorithms.registry import (
     algorithm_errors,
+    algorithm_exclusive_sections,
     algorithm_help,
     algorithm_names,
     algorithm_option_classes,
@@ -28,6 +29,7 @@ __all__ = [
     "Algorithm",
     "Policy",
     "algorithm_errors",
+    "algorithm_exclusive_sections",
     "algorithm_help",
     "algorithm_names",
     "algorithm_option_classes",

@@ -53,13 +53,13 @@ class AWMConfig:
     """``awm``: Advantage Weighted Matching's loss and its lagging copy."""
 
     RANGES: ClassVar[dict[str, tuple[str, str]]] = {
-        "num_levels": (">= 1", ""),
+        "num_levels": ("[1, 1000]", ""),
         "timestep_fraction": ("(0, 1]", ""),
-        "ghuber_power": ("> 0", "the reference uses 0.25"),
-        "advantage_max": (">= 0", "0 keeps the advantage unscaled"),
-        "kl_beta": (">= 0", "0 turns the KL term off"),
-        "ema_kl_beta": (">= 0", "0 turns the EMA term off"),
-        "ema_decay_rate": (">= 0", ""),
+        "ghuber_power": ("(0, 10]", "the reference uses 0.25"),
+        "advantage_max": ("[0, 1000]", "0 keeps the advantage unscaled"),
+        "kl_beta": ("[0, 1e6]", "0 turns the KL term off"),
+        "ema_kl_beta": ("[0, 1e6]", "0 turns the EMA term off"),
+        "ema_decay_rate": ("[0, 1]", ""),
         "ema_decay_max": ("[0, 1)", ""),
     }
     """The numeric ranges of its fields (``miles.config.RANGES`` rules)."""

@@ -60,13 +60,13 @@ class DGPOConfig:
     """``dgpo``: Direct Group Preference Optimization's loss and its lagging copy."""
 
     RANGES: ClassVar[dict[str, tuple[str, str]]] = {
-        "num_levels": (">= 1", ""),
+        "num_levels": ("[1, 1000]", ""),
         "timestep_fraction": ("(0, 1]", ""),
-        "beta_dpo": ("> 0", "the reference uses 10-100"),
-        "kl_beta": (">= 0", "0 turns the KL term off"),
-        "reference_guidance_scale": (">= 1", "1: the reference without CFG"),
-        "clip_range": (">= 0", "0 turns the clip off"),
-        "old_decay_rate": (">= 0", ""),
+        "beta_dpo": ("(0, 1e6]", "the reference uses 10-100, 2000-5000 with ema_reference"),
+        "kl_beta": ("[0, 1e6]", "0 turns the KL term off"),
+        "reference_guidance_scale": ("[1, 100]", "1: the reference without CFG"),
+        "clip_range": ("[0, 100]", "0 turns the clip off"),
+        "old_decay_rate": ("[0, 1]", ""),
         "old_decay_max": ("[0, 1)", ""),
     }
     """The numeric ranges of its fields (``miles.config.RANGES`` rules)."""

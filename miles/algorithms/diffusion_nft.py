@@ -35,6 +35,7 @@ from torch import Tensor
 
 from miles.algorithms.base import Algorithm, Policy
 from miles.algorithms.registry import register_algorithm
+from miles.config_load import MAX_STEPS
 from miles.rollout.batch import MicroBatch, RolloutBatch
 from miles.rollout.condition import generated
 from miles.rollout.sampler import NUM_TRAIN_TIMESTEPS, flow_sigmas, predict_velocity
@@ -47,12 +48,12 @@ class NFTConfig:
     """``nft``: DiffusionNFT's loss and its old policy."""
 
     RANGES: ClassVar[dict[str, tuple[str, str]]] = {
-        "beta": ("> 0", "the reference uses 1.0"),
+        "beta": ("(0, 100]", "the reference uses 1.0"),
         "timestep_fraction": ("(0, 1]", ""),
-        "old_decay_rate": (">= 0", ""),
+        "old_decay_rate": ("[0, 1]", ""),
         "old_decay_max": ("[0, 1)", ""),
-        "old_decay_flat": (">= 0", ""),
-        "kl_beta": (">= 0", "0 turns the KL term off"),
+        "old_decay_flat": (f"[0, {MAX_STEPS}]", ""),
+        "kl_beta": ("[0, 1e6]", "0 turns the KL term off"),
     }
     """The numeric ranges of its fields (``miles.config.RANGES`` rules)."""
 

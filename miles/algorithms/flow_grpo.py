@@ -49,9 +49,9 @@ class GRPOConfig:
     """``grpo``: Flow-GRPO's loss, and the group advantages that every algorithm trained on rewards reads."""
 
     RANGES: ClassVar[dict[str, tuple[str, str]]] = {
-        "clip_range": ("> 0", "Flow-GRPO uses 1e-4"),
-        "adv_clip_max": ("> 0", ""),
-        "kl_beta": (">= 0", "0 turns the KL term off"),
+        "clip_range": ("(0, 100]", "Flow-GRPO uses 1e-4"),
+        "adv_clip_max": ("(0, 1000]", ""),
+        "kl_beta": ("[0, 1e6]", "0 turns the KL term off"),
     }
     """The numeric ranges of its fields (``miles.config.RANGES`` rules)."""
 

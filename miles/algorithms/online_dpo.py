@@ -45,6 +45,7 @@ from miles.algorithms.matching import (
     velocity,
 )
 from miles.algorithms.registry import register_algorithm
+from miles.config_load import MAX_STEPS
 from miles.rollout.batch import MicroBatch, RolloutBatch
 
 _METRICS = ("loss", "implicit_accuracy", "pairs_per_group", "matching_loss", "reference_matching_loss")
@@ -55,11 +56,11 @@ class DPOConfig:
     """``dpo``: online Diffusion-DPO's pairs, loss and reference."""
 
     RANGES: ClassVar[dict[str, tuple[str, str]]] = {
-        "beta": ("> 0", "flow_grpo's SD3 recipe uses 100"),
-        "reward_margin": (">= 0", ""),
-        "num_levels": (">= 1", ""),
+        "beta": ("(0, 1e6]", "flow_grpo's SD3 recipe uses 100"),
+        "reward_margin": ("[0, 1e6]", ""),
+        "num_levels": ("[1, 1000]", ""),
         "timestep_fraction": ("(0, 1]", ""),
-        "ref_update_every": (">= 0", "0 keeps the initial weights as the reference"),
+        "ref_update_every": (f"[0, {MAX_STEPS}]", "0 keeps the initial weights as the reference"),
     }
     """The numeric ranges of its fields (``miles.config.RANGES`` rules)."""
 

@@ -71,6 +71,17 @@ def algorithm_option_classes() -> dict[str, type]:
     return dict(_SECTIONS)
 
 
+def algorithm_exclusive_sections() -> dict[str, str]:
+    """``{section: the one algorithm that reads it}``: the sections registered by a single algorithm
+    (``nft``, ``awm``, ...; not ``grpo``, whose advantages every algorithm trained on rewards reads and
+    which two register). Their settings change nothing under another algorithm (``config_warnings``)."""
+    readers: dict[str, list[str]] = {}
+    for name, entry in _REGISTRY.items():
+        if entry.section is not None:
+            readers.setdefault(entry.section, []).append(name)
+    return {section: names[0] for section, names in readers.items() if len(names) == 1}
+
+
 def algorithm_help() -> str:
     """One line per algorithm (its ``summary``), for ``algorithm.name``'s ``--help``."""
     return " ".join(f"``{name}``: {entry.cls.summary}" for name, entry in _REGISTRY.items())

@@ -43,9 +43,9 @@ class SFTConfig:
     """``sft``: supervised flow matching on a video dataset."""
 
     RANGES: ClassVar[dict[str, tuple[str, str]]] = {
-        "shift": ("> 0", "1: no shift; unset: rollout.shift"),
-        "logit_mean": ("any", ""),
-        "logit_std": ("> 0", ""),
+        "shift": ("(0, 100]", "1: no shift; unset: rollout.shift"),
+        "logit_mean": ("[-10, 10]", "SD3 uses 0"),
+        "logit_std": ("(0, 10]", "SD3 uses 1"),
         "caption_dropout": ("[0, 1)", ""),
     }
     """The numeric ranges of its fields (``miles.config.RANGES`` rules)."""

@@ -36,7 +36,7 @@ from miles.algorithms.base import Algorithm
 class ToyOptions:
     """``toy``: a test's algorithm."""
 
-    RANGES: ClassVar[dict[str, tuple[str, str]]] = {"alpha": ("> 0", "the toy's step")}
+    RANGES: ClassVar[dict[str, tuple[str, str]]] = {"alpha": ("(0, 100]", "the toy's step")}
 
     alpha: float = 1.0
     """The toy's step size."""
@@ -117,7 +117,7 @@ def test_a_toy_algorithm_is_its_file_and_one_registration(tmp_path):
 
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert (out["alpha"], out["name"], out["built"]) == (0.25, "toy", "Toy")
-    assert out["range"] == ["> 0", "the toy's step"]
+    assert out["range"] == ["(0, 100]", "the toy's step"]
     assert out["yaml"] == 3.0
     assert "toy.alpha must be > 0 (the toy's step), got -1.0" in out["refused_range"]
     assert out["refused_check"] == "algorithm.name toy rolls out without CFG: set rollout.guidance_scale 1"
