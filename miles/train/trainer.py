@@ -545,6 +545,7 @@ class Trainer:
                 images=self.eval_images,
                 encode=lambda texts: (self.prompt_cache.embeds(texts), self.prompt_cache.negative()),
                 gather=gather,
+                progress=self.progress,
             )
         metrics = {
             **summarize(result),
@@ -589,7 +590,8 @@ class Trainer:
             step = self.step - len(step_stats) + i + 1
             row_metrics = {f"train/{k}": v for k, v in row.items()}
             self.logger.log({**metrics, **row_metrics} if i == 0 else row_metrics, step=step)
-        print0(rollout_line(self.rollout_index, self.step, rewards, step_stats[0], t_train / len(step_stats)))
+        shown = rewards if self.algorithm.uses_rewards else None  # SFT scores nothing: its loss
+        print0(rollout_line(self.rollout_index, self.step, shown, step_stats[0], t_train / len(step_stats)))
         if self._logs_videos(self.rollout_index) and scores.videos is not None:
             # rank 0's decoded samples: with sp > 1, every sp-th micro-batch of its dp rank
             self.logger.log_videos(scores.videos, scores.video_prompts, scores.video_rewards, step=self.step)
