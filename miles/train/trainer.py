@@ -248,16 +248,13 @@ class Trainer:
         held_out = (
             f", {len(self.eval_prompts)} held-out from {cfg.eval.prompt_file}" if self.eval_prompts else ""
         )
-        print0(
-            f"[miles] loaded {len(self.prompts)} prompts from {cfg.data.prompt_file or 'the built-in list'}"
-            + held_out
-        )
+        source = cfg.data.prompt_file or "the built-in list"
+        print0(f"[miles] loaded {len(self.prompts)} prompts from {source}" + held_out)
         self.rewards, self.gold_rewards = build_configured_rewards(cfg.reward, self.device)
         self.rewards = GuardedRewards(self.rewards)  # a server down after retries: save and stop
 
     def _resident_memory(self) -> ResidentMemory:
-        """The plan's per-rank resident terms, with the loaded reward models' bytes on the device in
-        place of the plan's estimate from their weight files."""
+        """The plan's per-rank resident terms, the loaded reward models' device bytes in place of its estimate."""
         mixes = [self.rewards] + ([self.gold_rewards] if self.gold_rewards is not None else [])
         rewards = resident_bytes([r for mix in mixes for r in mix.rewards.values()], self.device)
         return dataclasses.replace(self.plan.resident, rewards=float(rewards))
