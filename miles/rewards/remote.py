@@ -314,13 +314,15 @@ class RemoteOptions:
     """``remote``: rewards computed by a reward server (``python -m miles.rewards.serve``), weighted."""
 
     RANGES: ClassVar[dict[str, tuple[str, str]]] = {
-        "rewards": ("any", ""),
-        "timeout_s": ("> 0", ""),
-        "retries": (">= 0", ""),
-        "backoff_s": (">= 0", ""),
-        "batch_size": (">= 1", ""),
-        "num_frames": (">= 1", ""),
+        "rewards": ("[-1000, 1000]", "a weight of the reward mix"),
+        "timeout_s": ("(0, 86400]", ""),
+        "retries": ("[0, 100]", ""),
+        "backoff_s": ("[0, 3600]", ""),
+        "batch_size": ("[1, 65536]", ""),
+        "num_frames": ("[1, 4097]", ""),
     }
+    SECRETS: ClassVar[tuple[str, ...]] = ("token",)
+    """Fields written out (config.yaml, checkpoints, wandb) only as whether they were set."""
 
     url: str | None = None
     """Base URL of a reward server (start it first: ``python -m miles.rewards.serve``)."""
