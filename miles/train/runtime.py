@@ -31,6 +31,8 @@ def init_distributed(timeout_s: float) -> torch.device:
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         timeout = timedelta(seconds=timeout_s)
         if "MASTER_PORT" in os.environ or os.environ["WORLD_SIZE"] != "1":
+            # a port given alone means this host (torchrun sets both)
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             dist.init_process_group(backend, timeout=timeout)  # torchrun's rendezvous
         else:
             # One process without torchrun: a store on a port the OS picks (bound, not guessed), so
