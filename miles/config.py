@@ -428,6 +428,10 @@ class EvalConfig:
     """Evaluate every N rollouts (and at the start and the end); 0: only at the start and the end."""
     num_seeds: int = 2
     """Samples per prompt, with fixed seeds 0..num_seeds-1."""
+    seed: int = 0
+    """The held-out noise's own seed, independent of ``run.seed``: runs of different run seeds are
+    scored on the same noise (paired), as is ``python -m miles.eval``. Change it only to measure
+    the evaluation's own spread."""
     sampler: Literal["rollout", "pipeline"] = "rollout"
     """``rollout``: the rollout's grid with ODE steps and its CFG (what training optimises, without
     its noise); ``pipeline``: the model folder's own scheduler, stepped as WanPipeline does (what
@@ -578,6 +582,7 @@ RANGES: dict[str, tuple[str, str]] = {
     "sft.caption_dropout": ("[0, 1)", ""),
     "eval.every": (">= 0", "0: only at the start and the end"),
     "eval.num_seeds": (">= 1", ""),
+    "eval.seed": (">= 0", "the held-out noise's seed, the same for every run by default"),
     "eval.num_steps": (">= 1", ""),
     "train.num_rollouts": (">= 1", ""),
     "train.steps_per_rollout": (">= 1", ""),
