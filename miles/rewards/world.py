@@ -30,7 +30,10 @@ with soft rules that stay meaningful through a tiny VAE's blur:
 
     world_adherence = Q · (colour + motion + size) / 3          in [0, 1]
 
-with ramp(x; a, b) = clamp((x - a) / (b - a), 0, 1). Rendered ground truth scores ~1, a prompt
+with ramp(x; a, b) = clamp((x - a) / (b - a), 0, 1). At another ``miles.world.Shape`` (read from
+the videos: frames, height, width) the motion ramp's px/frame scale by ``Shape.speed_scale`` and
+A_mid's radius by ``Shape.scale``, as the world's render scales the ball; at 9 x 64 x 64 both are 1
+(bitwise the 9-frame reward). Rendered ground truth scores ~1, a prompt
 wrong in every attribute ~0, each wrong attribute costs a third. Vectorised over the batch and
 frames (no per-pixel Python); scores (B,) float32 on the videos' device.
 """
@@ -45,7 +48,7 @@ import torch.nn.functional as F
 
 from miles.rewards.base import Reward, check_videos
 from miles.rewards.registry import register_reward
-from miles.world.world import DIRECTION, RGB, parse_prompt
+from miles.world.world import DIRECTION, RGB, Shape, parse_prompt
 
 _TOP_K = 8
 _HUE_TOLERANCE_DEG = 15.0
@@ -133,6 +136,7 @@ def world_scores(videos: torch.Tensor, prompts: Sequence[str]) -> dict[str, torc
     """
     check_videos(videos, prompts)
     attrs = [parse_prompt(p) for p in prompts]
+    shape = Shape(*videos.shape[1:2], *videos.shape[-2:])
     frames = videos.detach().float().cpu().clamp(0.0, 1.0)
     obj = _object_masks(frames)
     q = obj["quality"]  # (B, F)
@@ -147,10 +151,11 @@ def world_scores(videos: torch.Tensor, prompts: Sequence[str]) -> dict[str, torc
     u = torch.tensor([DIRECTION[a.motion] for a in attrs], dtype=v.dtype)
     along = (v * u).sum(dim=-1)
     cos = along / v.norm(dim=-1).clamp_min(1e-6)
-    motion = ramp(along, 0.5, 2.0) * ramp(cos, 0.7, 0.95)
+    motion = ramp(along, 0.5 * shape.speed_scale, 2.0 * shape.speed_scale) * ramp(cos, 0.7, 0.95)
 
     log_area = (q * obj["area"].clamp_min(1.0).log()).sum(dim=1) / wq
-    big = torch.sigmoid((log_area - _LOG_AREA_MID) / _SIZE_TEMPERATURE)
+    log_area_mid = _LOG_AREA_MID + 2 * math.log(shape.scale)  # log(pi (7.4 scale)^2)
+    big = torch.sigmoid((log_area - log_area_mid) / _SIZE_TEMPERATURE)
     size = torch.where(torch.tensor([a.size == "big" for a in attrs]), big, 1.0 - big)
 
     quality = q.mean(dim=1)
