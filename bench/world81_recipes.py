@@ -105,23 +105,29 @@ def write_recipes(out: Path, names: list[str]) -> dict[str, Path]:
     return paths
 
 
-def run_names(names: list[str], seeds: list[int], negated: bool) -> list[tuple[str, str, int, bool]]:
-    """(run name, recipe name, seed, negated) for every run: each recipe at each seed, and its twin."""
+def run_names(
+    names: list[str], seeds: list[int], negated: bool, twin_seeds: list[int] | None = None
+) -> list[tuple[str, str, int, bool]]:
+    """(run name, recipe name, seed, negated) for every run: each recipe at each seed, and with
+    ``negated`` its twin at each of ``twin_seeds`` (default: every seed)."""
     runs = []
     for name in names:
         for seed in seeds:
             runs.append((f"{name}-s{seed}", name, seed, False))
-            if negated:
+            if negated and (twin_seeds is None or seed in twin_seeds):
                 runs.append((f"{name}-s{seed}-negated", name, seed, True))
     return runs
 
 
-def command(out: Path, recipe_path: Path, run: str, seed: int, negated: bool) -> list[str]:
-    """One launch on the one GPU: torchrun with one process, the recipe as written, its seed."""
+def command(
+    out: Path, recipe_path: Path, run: str, seed: int, negated: bool, resume: bool = False
+) -> list[str]:
+    """One launch on the one GPU: torchrun with one process, the recipe as written, its seed.
+    ``resume``: continue from the run's latest checkpoint (a chain of time-limited commands)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"]
     cmd += ["train_grpo.py", "--config", str(recipe_path), "--run.output-dir", str(out), "--run.name", run]
-    cmd += ["--run.seed", str(seed), "--run.no-progress", "--run.wandb-mode", "disabled"]
-    cmd += ["--train.no-resume", "--train.overwrite", "--train.no-export"]
+    cmd += ["--run.seed", str(seed), "--run.no-progress", "--run.wandb-mode", "disabled", "--train.no-export"]
+    cmd += [] if resume else ["--train.no-resume", "--train.overwrite"]
     return cmd + (["--grpo.negate-advantages"] if negated else [])
 
 
@@ -178,15 +184,18 @@ def dry_run_all(paths: dict[str, Path]) -> dict[str, dict]:
     return reports
 
 
-def launch(out: Path, paths: dict[str, Path], runs: list, time_limit: float | None) -> dict[str, float]:
-    """Every run side by side on the one GPU; stops runs still going after ``time_limit`` s."""
+def launch(
+    out: Path, paths: dict[str, Path], runs: list, time_limit: float | None, resume: bool
+) -> dict[str, float]:
+    """Every run side by side on the one GPU; stops runs still going after ``time_limit`` s (a
+    stopped run checkpoints; ``resume`` continues it)."""
     import os
 
     env = {**os.environ, "OMP_NUM_THREADS": "2", "HF_HUB_OFFLINE": "1"}
     procs, walls, start = {}, {}, time.monotonic()
     for run, name, seed, negated in runs:
-        log = open(out / f"{run}.log", "w")
-        cmd = command(out, paths[name], run, seed, negated)
+        log = open(out / f"{run}.log", "a")
+        cmd = command(out, paths[name], run, seed, negated, resume)
         procs[run] = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     while len(walls) < len(procs):
         for run, proc in procs.items():
@@ -204,17 +213,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=list(RECIPES))
     p.add_argument("--seeds", nargs="+", type=int, default=[0])
     p.add_argument("--negated", action="store_true", help="each run's twin with grpo.negate_advantages")
+    p.add_argument(
+        "--twin-seeds", nargs="+", type=int, default=None, help="the seeds given a twin (default: all)"
+    )
     p.add_argument("--dry-run", action="store_true", help="plan each recipe (one CUDA rank); no GPU needed")
     p.add_argument("--run", action="store_true", help="launch the runs side by side on this machine's GPU")
     p.add_argument("--time-limit", type=float, default=None)
+    p.add_argument("--resume", action="store_true", help="continue each run from its latest checkpoint")
+    p.add_argument("--report", action="store_true", help="only read the runs in OUT and write the JSON/PNG")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     paths = write_recipes(args.out, args.recipes)
-    runs = run_names(args.recipes, args.seeds, args.negated)
+    runs = run_names(args.recipes, args.seeds, args.negated, args.twin_seeds)
     plan = {
         "recipes": {n: str(RECIPES[n]) for n in args.recipes},
         "estimate": {n: estimate(paths[n]) for n in args.recipes},
-        "commands": {run: command(args.out, paths[name], run, seed, neg) for run, name, seed, neg in runs},
+        "commands": {
+            run: command(args.out, paths[name], run, seed, neg, args.resume) for run, name, seed, neg in runs
+        },
     }
     if args.dry_run:
         reports = dry_run_all(paths)
@@ -226,16 +242,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{run}: {' '.join(cmd)}")
     for name, est in plan["estimate"].items():
         print(f"{name}: ~{est['curve_minutes_alone_at_350_tflops']} min a curve alone (estimate)")
-    if not args.run:
+    if not (args.run or args.report):
         return 0
     sys.path.insert(0, str(ROOT / "bench"))
     from learning import plot, read_run, table
 
-    walls = launch(args.out, paths, runs, args.time_limit)
+    walls = launch(args.out, paths, runs, args.time_limit, args.resume) if args.run else {}
     results = {}
     for run, *_ in runs:
         try:
-            results[run] = read_run(args.out / run, walls[run])
+            results[run] = read_run(args.out / run, walls.get(run, float("nan")))
         except (FileNotFoundError, IndexError, KeyError) as e:
             print(f"run {run}: no curve ({e}); see {args.out / (run + '.log')}")
     (args.out / "world81.json").write_text(json.dumps({"plan": plan, "runs": results}, indent=1))

@@ -360,24 +360,38 @@ def write_configs(out_dir: Path) -> Path:
 
 
 def main(argv: list[str]) -> None:
-    cfg = Pretrain81Config()
-    if argv == ["--estimate"]:
+    import argparse
+
+    p = argparse.ArgumentParser(
+        prog="python -m miles.pretrain_world_81", description=__doc__.split("\n\n")[0]
+    )
+    p.add_argument(
+        "out_dir", nargs="?", type=Path, help="the pipeline folder to write (its report beside it)"
+    )
+    p.add_argument("--estimate", action="store_true", help="print the FLOPs estimate; nothing runs")
+    p.add_argument("--configs", action="store_true", help="write only the configs into OUT_DIR")
+    p.add_argument("--dit-steps", type=int, default=None, help="prior steps (default: Pretrain81Config's)")
+    p.add_argument("--vae-path", default=None, help="reuse a trained AutoencoderKLWan folder")
+    args = p.parse_args(argv)
+    overrides = {
+        k: v for k, v in (("dit_steps", args.dit_steps), ("vae_path", args.vae_path)) if v is not None
+    }
+    cfg = dataclasses.replace(Pretrain81Config(), **overrides)
+    if args.estimate:
         print(json.dumps(estimate(cfg), indent=1))
         return
-    if len(argv) == 2 and argv[0] == "--configs":
-        print(write_configs(Path(argv[1])))
+    if args.out_dir is None:
+        p.error("give OUT_DIR (e.g. miles/world/pipeline_81)")
+    if args.configs:
+        print(write_configs(args.out_dir))
         return
-    if len(argv) != 1 or argv[0].startswith("-"):
-        raise SystemExit("usage: python -m miles.pretrain_world_81 OUT_DIR | --estimate | --configs OUT_DIR")
-    out_dir = Path(argv[0])
-    report = pretrain(out_dir, cfg)
-    path = out_dir.parent / "pretrain_report_81.json"
+    report = pretrain(args.out_dir, cfg)
+    path = args.out_dir.parent / "pretrain_report_81.json"
     path.write_text(json.dumps(report, indent=2) + "\n")
     for split in ("train", "heldout"):
-        if split not in report:
-            continue
-        r = report[split]
-        print(f"{split:8s} adherence {r['adherence']:.3f} (SE {r['se']}; {r['num_samples']} samples)")
+        if split in report:
+            r = report[split]
+            print(f"{split:8s} adherence {r['adherence']:.3f} (SE {r['se']}; {r['num_samples']} samples)")
     print(f"wall time {report['times']['total_s'] / 60:.1f} min; report: {path}")
 
 

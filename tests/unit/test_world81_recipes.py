@@ -60,8 +60,11 @@ def test_every_shipped_recipe_keeps_its_settings_and_plans_on_one_gpu(tmp_path):
     assert {r["sequence"]["tokens_per_sample"] for r in reports.values()} == {32760}
     runs = w81.run_names(["nft"], [0, 1], negated=True)
     assert [r[0] for r in runs] == ["nft-s0", "nft-s0-negated", "nft-s1", "nft-s1-negated"]
+    batch = w81.run_names(["nft"], [0, 1, 2], negated=True, twin_seeds=[0])  # the GPU batch's four
+    assert [r[0] for r in batch] == ["nft-s0", "nft-s0-negated", "nft-s1", "nft-s2"]
     twin = w81.command(tmp_path, paths["nft"], *runs[1][0:1], 0, True)
-    assert twin[-1] == "--grpo.negate-advantages" and "--run.seed" in twin
+    assert twin[-1] == "--grpo.negate-advantages" and "--run.seed" in twin and "--train.no-resume" in twin
+    assert "--train.no-resume" not in w81.command(tmp_path, paths["nft"], "nft-s0", 0, False, resume=True)
     est = w81.estimate(paths["flow_grpo_cfg"])
     # Flow-GRPO as shipped: 20 steps with CFG (40 forwards) + an SDE window of 4 trained through CFG
     assert est["forwards_per_sample"] == 20 * 2 + 4 * 3 * 2
