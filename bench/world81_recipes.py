@@ -49,7 +49,7 @@ RECIPES = {
 }
 MODEL = "miles/world/pipeline_81"
 PROMPTS_PER_RANK = 2
-EVAL_SEEDS = 8
+EVAL_SEEDS = 16
 STEPS = 300
 _SWAPPED = "model.path, data (prompts, negative prompt, text length, groups per rollout), reward, eval, parallel, run.name, train.num_rollouts"
 
@@ -75,7 +75,7 @@ def world81_recipe(recipe: str | Path, steps: int = STEPS) -> dict:
     out["eval"] = {
         **raw.get("eval", {}),
         "prompt_file": "miles/world/prompts_heldout.txt",
-        "every": 10,
+        "every": 15,
         "num_seeds": EVAL_SEEDS,
         "seed": 0,
     }
