@@ -4,9 +4,10 @@
     python -m miles.pretrain_world_81 --estimate                         # the FLOPs, nothing run
 
 The same world as ``miles.pretrain_world`` (prompts, held-out split, renders, ``world_adherence``)
-at ``miles.world.SHAPE_81``, through the same functions where they exist (the render, the crop
-batches, the VAE loss, the text encoding, the flow-matching loss, the caption dropout, the folder's
-assembly and atomic save), on a GPU in bf16 with compiled blocks:
+at ``miles.world.SHAPE_81``, through the same functions where they exist (the render, the VAE
+loss, the latent statistics, the text encoding, the time shift, the caption dropout, the folder's
+assembly and atomic save; the flow-matching loss is the same but draws its noise on the GPU), on a
+GPU in bf16 with compiled blocks:
 
 1. **VAE.** The world VAE's architecture (``WORLD_VAE``: 4x temporal / 8x spatial, Wan's
    compression) with Wan's 16 latent channels (the committed 9-frame VAE has 8), trained on random
@@ -47,7 +48,6 @@ from miles.pretrain_world import (
     assemble_pipeline,
     base_pipeline,
     encode_text,
-    flow_matching_loss,
     log,
     noisy_captions,
     save_pipeline_atomically,
@@ -223,6 +223,21 @@ def encode_training_set(cfg: Pretrain81Config, vae, device) -> tuple[torch.Tenso
     return torch.cat(latents), torch.tensor(labels)
 
 
+def flow_matching_loss(transformer, x0, context, generator: torch.Generator, noise: torch.Generator):
+    """``miles.pretrain_world.flow_matching_loss`` with the noise drawn on the latents' device from
+    ``noise`` (a batch of 81-frame latents is 17M values: drawn on a CPU, seconds a step); the
+    noise levels still come from the CPU ``generator``."""
+    from miles.pretrain_world import shifted_sigmas
+
+    b = x0.shape[0]
+    s = shifted_sigmas(torch.rand(b, generator=generator)).to(x0.device)
+    eps = torch.randn(x0.shape, generator=noise, device=x0.device)
+    sv = s.view(b, 1, 1, 1, 1)
+    xt = (1 - sv) * x0 + sv * eps
+    out = transformer(hidden_states=xt, timestep=1000 * s, encoder_hidden_states=context, return_dict=False)
+    return torch.nn.functional.mse_loss(out[0].float(), eps - x0)
+
+
 def train_prior(cfg: Pretrain81Config, latents, labels, prompt_embeds, negative_embeds, start: float):
     """The prior (``cfg.prior``) by rectified flow on normalised latents on their device (bf16
     autocast and compiled blocks on CUDA)."""
@@ -236,12 +251,15 @@ def train_prior(cfg: Pretrain81Config, latents, labels, prompt_embeds, negative_
             block.compile()
     opt = torch.optim.AdamW(transformer.parameters(), lr=cfg.dit_lr)
     gen = torch.Generator().manual_seed(cfg.seed + 2)
+    noise = torch.Generator(device=device).manual_seed(cfg.seed + 3)
     table = torch.cat([prompt_embeds, negative_embeds]).to(device)  # row -1: the negative prompt
     for step in range(cfg.dit_steps):
         idx = torch.randint(len(latents), (cfg.dit_batch,), generator=gen)
         captions = noisy_captions(labels[idx], len(prompt_embeds), 0.0, cfg.text_dropout, gen)
         with _autocast(cfg, device):
-            loss = flow_matching_loss(transformer, latents[idx.to(device)], table[captions.to(device)], gen)
+            loss = flow_matching_loss(
+                transformer, latents[idx.to(device)], table[captions.to(device)], gen, noise
+            )
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
