@@ -5,6 +5,7 @@
 #
 #   bash bench/world81_gpu.sh pretrain OUT   # make world-model-81 into miles/world/pipeline_81 (+ its
 #                                            # report), copied to OUT/pipeline_81 to commit (~3 MB prior)
+#   bash bench/world81_gpu.sh vae OUT        # the trained VAE's reconstructions scored against the renders
 #   bash bench/world81_gpu.sh curves OUT     # 4 curves side by side, 300 optimizer steps each: the best
 #                                            # recipe (configs/world_81.yaml: DiffusionNFT) at seeds 0 1 2
 #                                            # and its negated twin at seed 0; repeat until all finish
@@ -18,7 +19,7 @@
 # bench/world81_recipes.py's plan.json at an assumed 350 TFLOP/s; not measured): pretraining's prior
 # ~5 min of its ~10; the four curves ~6 min of compute each alone, so ~3 stages of 9.5 min side by side.
 set -euo pipefail
-stage=${1:?stage: pretrain | curves | report | peer | recipes}
+stage=${1:?stage: pretrain | vae | curves | report | peer | recipes}
 out=${2:?OUT folder}
 limit=${LIMIT:-570}   # seconds a stage may run: under the device tool's 600
 py=${PY:-python}
@@ -29,6 +30,10 @@ case "$stage" in
     timeout "$limit" $py -m miles.pretrain_world_81 miles/world/pipeline_81 ${DIT_STEPS:+--dit-steps "$DIT_STEPS"} \
       2>&1 | tee "$out/pretrain_81.log"
     cp -r miles/world/pipeline_81 miles/world/pretrain_report_81.json "$out/"
+    ;;
+  vae)
+    timeout "$limit" $py bench/world81_vae_check.py --out "$out/vae_check_81.json" --shapes 81x480x832 \
+      --vae miles/world/pipeline_81/vae 2>&1 | tee "$out/vae_check.log"
     ;;
   curves | report)
     what=$([ "$stage" = curves ] && echo "--run --resume --time-limit $limit" || echo "--report")
