@@ -10,7 +10,7 @@ TORCH_VERSION ?= 2.13.0
 # torchrun through miles.launch: a refusal ends in one line and exit code 2, with no launcher traceback
 TORCHRUN := $(PY) -m miles.launch --standalone --nproc-per-node $(NPROC)
 
-.PHONY: setup lint format test test-fast e2e e2e-random e2e-gpu e2e-bands stress-sp tiny-model world-model world-i2v-model bench bench-learning clean
+.PHONY: setup lint format test test-fast e2e e2e-random e2e-gpu e2e-bands stress-sp tiny-model world-model world-model-81 world-i2v-model bench bench-learning clean
 
 setup: $(STAMP)
 
@@ -65,6 +65,14 @@ world-i2v-model: setup
 WORLD_DIR ?= .cache/world-wan
 world-model: setup
 	$(PY) -m miles.pretrain_world $(WORLD_DIR)
+
+# The 81-frame world's prior (a 16-channel world VAE + a 2-block Wan prior with 128-wide heads, one
+# GPU, bf16, compiled; estimated ~5 min of prior training: python -m miles.pretrain_world_81 --estimate)
+# into WORLD_81_DIR, its report beside it (pretrain_report_81.json). configs/world_81.yaml reads
+# miles/world/pipeline_81, whose configs are committed: make world-model-81 WORLD_81_DIR=miles/world/pipeline_81.
+WORLD_81_DIR ?= .cache/world-wan-81
+world-model-81: setup
+	$(PY) -m miles.pretrain_world_81 $(WORLD_81_DIR)
 
 # The same recipe shape on one GPU.
 e2e-gpu: tiny-model
