@@ -84,6 +84,15 @@ class FamilyModel(Protocol):
 
     def num_tokens(self, num_frames: int, height: int, width: int) -> int: ...
 
+    def vae_decoder_memory(self) -> tuple[int, float]:
+        """(d, k) of the VAE decoder for the memory plan: its base width d and its peak working set k in
+        bytes per output pixel, per channel of d, per byte of the VAE's dtype (``miles.train.memory_budget``)."""
+        ...
+
+    def text_length_warnings(self, max_sequence_length: int) -> list[str]:
+        """Warnings about a text length the family's transformers do not expect (the plan prints them)."""
+        ...
+
     def sequence_parallel_plan(self, transformer: nn.Module):
         """The SP plan of one expert (``miles.sequence_parallel.SequenceParallelPlan``): the engine
         installs it on every copy of the expert (policy, old policy, reference)."""

@@ -35,6 +35,13 @@ from miles.models.folder import read_json, read_pipeline_index
 EXPERT_FOLDERS = ("transformer",)
 LTX_PIPELINES = frozenset({"LTXPipeline"})
 FRAME_RATE = 25  # LTXPipeline's default frame_rate: the RoPE's temporal interpolation scale
+# The VAE decoder's peak working set (the memory plan's decode term, ``miles.train.memory_budget``):
+# AutoencoderKLLTXVideo decodes the whole clip at once, at 1/32 to 1/4 of the output resolution but
+# every frame together: bytes per output pixel of the clip (all frames), per channel of
+# ``decoder_block_out_channels[0]``, per dtype byte. Live storages on the CPU at 1/8 and 1/4 of the
+# published widths: 0.318 and 0.302 (wider CPU runs add the convolutions' packed weight copies,
+# quadratic in the width); tests/unit/test_resident_memory.py measures it again.
+VAE_DECODER_BYTES = 0.31
 
 
 def pack_text(embeds: Tensor, mask: Tensor) -> Tensor:
@@ -127,6 +134,17 @@ class LTXModel:
     @property
     def num_attention_heads(self) -> int:
         return self.transformers[0].config.num_attention_heads
+
+    def vae_decoder_memory(self) -> tuple[int, float, bool]:
+        """(d, k, whole clip) of the VAE decoder for the memory plan: ``decoder_block_out_channels[0]``,
+        :data:`VAE_DECODER_BYTES` per output pixel of every frame (the decoder holds the whole clip)."""
+        vae = getattr(self.pipeline, "vae", None)
+        if getattr(vae, "config", None) is None:
+            return 0, 0.0, False
+        return int(vae.config.decoder_block_out_channels[0]), VAE_DECODER_BYTES, True
+
+    def text_length_warnings(self, max_sequence_length: int) -> list[str]:
+        return []  # any length: the cross-attention masks the padding
 
     @property
     def architecture(self) -> dict:

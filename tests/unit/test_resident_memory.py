@@ -109,8 +109,7 @@ def _hand(
     else:
         th, tw = h, w
     decode = shape.micro_batch * (
-        6 * f * h * w * 4
-        + {"wan2.1": 51.0, "wan2.2": 21.4}[sizes.vae_family] * sizes.vae_base_dim * th * tw * v
+        6 * f * h * w * 4 + sizes.vae_decoder_bytes * sizes.vae_base_dim * th * tw * v
     )
     return dict(
         weights=weights,
@@ -152,13 +151,15 @@ def test_tiny_terms_match_the_formulas():
         WanTransformer3DModel.from_pretrained(folder / sub) for sub in ("transformer", "transformer_2")
     ]
     vae = AutoencoderKLWan.from_pretrained(folder / "vae")
-    sizes = model_sizes(experts, torch.nn.Linear(3, 5), vae)
+    from miles.models.wan import vae_decoder_memory
+
+    sizes = model_sizes(experts, torch.nn.Linear(3, 5), vae, vae_decoder=vae_decoder_memory(vae.config))
     assert sizes.expert_params == tuple(sum(p.numel() for p in e.parameters()) for e in experts)
     assert (
         sizes.lora_params == 0
         and sizes.text_encoder_params == 20
         and sizes.vae_base_dim == vae.config.base_dim
-        and sizes.vae_family == "wan2.1"
+        and sizes.vae_decoder_bytes == 51.0
     )
     shape = _shape(tokens_per_rank=16, latent_numel=16 * 2 * 8 * 8, num_frames=5, height=64, width=64)
     for flags, old, ref in [
@@ -360,27 +361,36 @@ def test_vae_decode_term_is_what_the_decoder_holds(family):
 
     torch.manual_seed(0)
     if family == "ltx":  # the published 0.9.1 decoder at 1/8 of its widths, a narrow encoder
+        from miles.models.ltx import LTXModel
+
         narrow = dict(decoder_block_out_channels=(32, 64, 128), block_out_channels=(8, 16, 32, 32))
         vae = AutoencoderKLLTXVideo(**{**VAE_LTX_091, **narrow, "layers_per_block": (1,) * 5}).eval()
+        model = LTXModel(
+            path=None, transformers=[], pipeline=type("P", (), {"vae": vae}), scheduler_config={}
+        )
+        base, k, whole_clip = model.vae_decoder_memory()
+        assert whole_clip and base == 32
         latents, temb = torch.randn(1, 128, 2, 4, 4), torch.zeros(1)
     else:
         config = (
             dict(base_dim=32) if family == "wan2.1" else {**VAE_WAN22, "base_dim": 32, "decoder_base_dim": 64}
         )
-        torch.manual_seed(0)
         vae = AutoencoderKLWan(**config).eval()
+        from miles.models.wan import VAE_DECODER_BYTES, vae_decoder_memory
+
+        base, k = vae_decoder_memory(vae.config)
+        assert k == VAE_DECODER_BYTES[family]
         up = vae.config.scale_factor_spatial if family == "wan2.2" else 8
         latents, temb = torch.randn(1, vae.config.z_dim, 4, 64 // up, 64 // up), None
-    from miles.train.memory_budget import _decode_bytes, vae_widths
+    from miles.train.memory_budget import _decode_bytes
 
-    base, got_family = vae_widths(vae.config)
-    assert got_family == family
     with torch.no_grad(), _LiveStorages() as live:
         video = vae.decode(latents, *([] if temb is None else [temb]), return_dict=False)[0]
         frames = ((video.float() / 2 + 0.5).clamp(0, 1)).permute(0, 2, 1, 3, 4).contiguous()
         del video
     f, h, w = frames.shape[1], frames.shape[3], frames.shape[4]
     shape = _shape(num_frames=f, height=h, width=w, micro_batch=1)
-    formula = _decode_bytes(shape, base, family, 4, tiling=False)
+    per_frame = k * f if family == "ltx" else k  # LTX's k is per pixel of every frame (ResidentMemory.of)
+    formula = _decode_bytes(shape, base, per_frame, 4, tiling=False)
     # the formula counts two fp32 videos; the decoder's peak holds one
     assert abs(live.peak + 12 * f * h * w - formula) <= 0.05 * formula, (live.peak, formula)
