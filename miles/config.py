@@ -40,6 +40,9 @@ class RunConfig:
     """wandb mode. ``offline`` writes under the run directory (``wandb sync`` it later)."""
     wandb_project: str = "miles"
     """wandb project name."""
+    tensorboard: bool = False
+    """Also log the metrics and evaluation videos to TensorBoard, under the same names as wandb
+    (``<run>/tensorboard``; ``tensorboard --logdir <run>/tensorboard``; the ``tensorboard`` extra)."""
     log_video_every: int = 0
     """Log sample videos (with prompts and rewards) every N rollouts; 0 turns it off."""
     progress: bool = True
@@ -449,7 +452,15 @@ class TrainConfig:
     within an optimizer step). The same micro-batches in rollout and training make the
     recomputed log-probs exact; a fixed size makes samples independent of the dp layout."""
     learning_rate: float = 1e-4
-    """AdamW learning rate."""
+    """AdamW learning rate (the peak of the schedule)."""
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    """After the warm-up: ``constant`` keeps ``learning_rate``; ``cosine`` anneals it to
+    ``lr_min_ratio`` x learning_rate at the run's last optimizer step (torch.optim.lr_scheduler;
+    formula in miles/train/schedule.py)."""
+    lr_warmup_steps: int = 0
+    """Optimizer steps of linear warm-up: the k-th step (from 1) uses learning_rate x k / W; 0: none."""
+    lr_min_ratio: float = 0.0
+    """The cosine schedule's floor, as a fraction of ``learning_rate``."""
     weight_decay: float = 1e-4
     """AdamW weight decay."""
     adam_betas: list[float] = dataclasses.field(default_factory=lambda: [0.9, 0.999])
@@ -583,6 +594,8 @@ RANGES: dict[str, tuple[str, str]] = {
     "train.steps_per_rollout": (">= 1", ""),
     "train.micro_batch_size": (">= 1", ""),
     "train.learning_rate": (">= 0", "AdamW's step size"),
+    "train.lr_warmup_steps": (">= 0", "0: no warm-up"),
+    "train.lr_min_ratio": ("[0, 1]", "the cosine floor as a fraction of train.learning_rate"),
     "train.weight_decay": (">= 0", "AdamW's decoupled weight decay"),
     "train.adam_betas": ("[0, 1)", "AdamW's moment decays"),
     "train.adam_eps": ("> 0", ""),
@@ -719,6 +732,12 @@ def validate(cfg: Config) -> None:
             cfg.rollout.precision == "bf16" or cfg.algorithm.name != "grpo_guard",
             "rollout.precision fp8 corrects Flow-GRPO's plain ratio; GRPO-Guard's normalised ratio would need "
             "the bf16 policy's old means: use algorithm.name flow_grpo or rollout.precision bf16",
+        ),
+        (
+            cfg.train.lr_schedule != "cosine"
+            or cfg.train.lr_warmup_steps < cfg.train.num_rollouts * cfg.train.steps_per_rollout,
+            "train.lr_warmup_steps must be below the run's optimizer steps (train.num_rollouts x "
+            "train.steps_per_rollout) for the cosine schedule to have steps to anneal over",
         ),
         (
             not (cfg.train.overwrite and cfg.train.resume),

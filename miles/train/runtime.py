@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import resource
+import signal
 from datetime import timedelta
 
 import torch
@@ -49,3 +50,11 @@ def deterministic_kernels() -> None:
 
     if hasattr(inductor_config, "deterministic"):
         inductor_config.deterministic = True
+
+
+def maybe_inject_fault(rank: int, step: int) -> None:
+    """Testing hook: ``MILES_FAULT_KILL=RANK:STEP`` SIGKILLs that rank in the middle of that
+    optimizer step (after its backward, before the update), as a dying machine would."""
+    spec = os.environ.get("MILES_FAULT_KILL")
+    if spec and spec == f"{rank}:{step}":
+        os.kill(os.getpid(), signal.SIGKILL)

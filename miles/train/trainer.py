@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -66,18 +65,11 @@ from miles.train.plan import plan_run
 from miles.train.prompt_checks import warn_truncated_prompts
 from miles.train.reward_failure import GuardedRewards, reward_failed
 from miles.train.run_dir import clear_run_dir, lock_run_dir
-from miles.train.runtime import deterministic_kernels, init_distributed, peak_memory_gib
+from miles.train.runtime import deterministic_kernels, init_distributed, maybe_inject_fault, peak_memory_gib
+from miles.train.schedule import build_lr_scheduler, current_lr
 from miles.train.score import NonFiniteError, score
 from miles.train.sources import batch_source, unscored
 from miles.train.stop import GracefulStop, StopRequested
-
-
-def _maybe_inject_fault(rank: int, step: int) -> None:
-    """Testing hook: ``MILES_FAULT_KILL=RANK:STEP`` SIGKILLs that rank in the middle of that
-    optimizer step (after its backward, before the update), as a dying machine would."""
-    spec = os.environ.get("MILES_FAULT_KILL")
-    if spec and spec == f"{rank}:{step}":
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 class Trainer:
@@ -201,6 +193,7 @@ class Trainer:
             eps=cfg.adam_eps,
             weight_decay=cfg.weight_decay,
         )
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg)  # None: a constant lr
         self._saved_step = -1
         self._eval_step = -1
         self.step = 0  # optimizer steps taken
@@ -228,6 +221,7 @@ class Trainer:
             project=cfg.run.wandb_project,
             name=cfg.run.name,
             enabled=self.rank == 0,
+            tensorboard=cfg.run.tensorboard,
         )
         if self.rank == 0:
             (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
@@ -311,17 +305,20 @@ class Trainer:
             canary = sums.pop("log_prob_mean_abs_diff", None)
             if not self._all_finite(sums["loss"]):
                 raise NonFiniteError(f"the loss is NaN or inf at step {self.step + 1}")
-            _maybe_inject_fault(self.rank, self.step + 1)
+            maybe_inject_fault(self.rank, self.step + 1)
             grad_norm = self._clip_grad_norm()
             if not math.isfinite(grad_norm):  # the same on every rank: all stop together
                 self.optimizer.zero_grad(set_to_none=True)
                 raise NonFiniteError(f"the gradient norm is NaN or inf at step {self.step + 1}")
+            lr = current_lr(self.optimizer)
             self.optimizer.step()
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
             if self.ema is not None:
                 self.ema.update()
             self.optimizer.zero_grad(set_to_none=True)
             self.step += 1
-            row = {**sums, "grad_norm": grad_norm}
+            row = {**sums, "grad_norm": grad_norm, "lr": lr}
             if m == 0 and canary is not None:
                 # The first step of a rollout runs with exactly the weights that sampled it.
                 row["log_prob_mean_abs_diff"] = canary
@@ -375,6 +372,7 @@ class Trainer:
             "sp": self.dims.sp,
             "config": to_dict(self.cfg),
             "model_fingerprint": self.model_fingerprint,
+            "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
         }
 
     def save(self) -> None:
@@ -414,6 +412,8 @@ class Trainer:
             self.old_policy.soft_update(0.0)
         self.step, self.rollout_index = state["step"], state["rollout_index"]
         self.sampler.load_state_dict(state["sampler"])
+        if self.lr_scheduler is not None and state.get("lr_scheduler"):  # the optimizer state holds the lr
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self.logger.truncate_after(self.step)
         self._saved_step = self.step
         print0(
