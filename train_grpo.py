@@ -29,7 +29,26 @@ def report_user_error(error: Exception) -> None:
     print(f"error: {error}" if rank == 0 else f"error (rank {rank}): {error}", file=sys.stderr, flush=True)
 
 
+def run_preflight_first(cfg) -> bool:
+    """``--preflight``: every rank samples the prior and judges the reward alike (rank 0 prints the
+    table) before any process group forms; False, with a message, when a trained reward has no signal."""
+    from miles.console import configure_library_progress, show_progress
+    from miles.preflight import has_signal, run_preflight
+
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    configure_library_progress(show_progress(cfg.run.progress) and rank0)
+    report = run_preflight(cfg, say=print if rank0 else (lambda text: None))
+    if has_signal(report, list(cfg.reward.weights)):
+        return True
+    if rank0:
+        print("error: --preflight: a trained reward gives GRPO no signal (the table above)", file=sys.stderr)
+    return False
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    preflight = "--preflight" in argv  # the reward preflight first (miles/preflight.py)
+    argv = [a for a in argv if a != "--preflight"]
     try:
         cfg, opts = parse_args(argv)
         if opts.world_size is not None and not opts.dry_run:
@@ -56,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
         for warning in config_warnings(cfg):
             print(f"[miles] warning: {warning}", file=sys.stderr)
 
+    if preflight and not run_preflight_first(cfg):
+        return 2
     from miles.train.checkpoint import CheckpointWriteError
     from miles.train.export import ExportWriteError
     from miles.train.outcome import finished_note, result_line

@@ -269,8 +269,13 @@ class AlgorithmConfig:
 
 @dataclasses.dataclass(kw_only=True)
 class GRPOConfig:
-    clip_range: float = 1e-4
-    """PPO ratio clip epsilon (Flow-GRPO uses 1e-4: per-step log-probs are averaged over many dims)."""
+    clip_range: float | Literal["auto"] = 1e-4
+    """PPO ratio clip epsilon (Flow-GRPO uses 1e-4: per-step log-probs are averaged over many dims).
+    ``auto``: measured before the run's second optimizer step, from the spread of its ratios (the
+    policy has moved once since the rollout), as the clip that ``target_clipfrac`` of them exceed;
+    logged as ``train/clip_range`` and saved with the checkpoint (miles/algorithms/clip_calibration.py)."""
+    target_clipfrac: float = 0.2
+    """With ``clip_range: auto``: the fraction of ratios the calibrated clip range leaves outside 1 ± clip."""
     adv_clip_max: float = 5.0
     """Advantages are clipped to [-adv_clip_max, adv_clip_max]."""
     global_std: bool = False
@@ -552,7 +557,8 @@ RANGES: dict[str, tuple[str, str]] = {
     "rollout.sde_window_range": (">= 0", "[lo, hi) of denoising step indices"),
     "reward.weights": ("any", ""),
     "reward.num_frames": (">= 1", "frames sampled from each video for frame-level rewards"),
-    "grpo.clip_range": ("> 0", "Flow-GRPO uses 1e-4"),
+    "grpo.clip_range": ("> 0", "Flow-GRPO uses 1e-4; or auto"),
+    "grpo.target_clipfrac": ("(0, 1)", "the clipped fraction clip_range auto aims at"),
     "grpo.adv_clip_max": ("> 0", ""),
     "grpo.kl_beta": (">= 0", "0 turns the KL term off"),
     "nft.beta": ("> 0", "the reference uses 1.0"),
@@ -738,6 +744,11 @@ def validate(cfg: Config) -> None:
             or cfg.train.lr_warmup_steps < cfg.train.num_rollouts * cfg.train.steps_per_rollout,
             "train.lr_warmup_steps must be below the run's optimizer steps (train.num_rollouts x "
             "train.steps_per_rollout) for the cosine schedule to have steps to anneal over",
+        ),
+        (
+            cfg.grpo.clip_range != "auto" or cfg.train.steps_per_rollout >= 2,
+            "grpo.clip_range auto measures the ratios of a rollout's second optimizer step (on its first "
+            "the ratio is 1): it needs train.steps_per_rollout >= 2",
         ),
         (
             not (cfg.train.overwrite and cfg.train.resume),

@@ -91,6 +91,15 @@ class Algorithm(abc.ABC):
         """The experts that sample the rollouts: the trained ones unless the algorithm keeps an old policy."""
         return policy.old.transformers if self.uses_old_policy else policy.transformers
 
+    def state_dict(self) -> dict:
+        """What the algorithm learnt during the run beyond the weights (saved in the checkpoint's
+        trainer state; JSON). Default: nothing."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`'s values at a resume. Default: nothing."""
+        del state
+
     def after_rollout(self, policy: Policy, step: int) -> dict[str, float]:
         """Called once a rollout's optimizer steps are done (``step``: optimizer steps so far);
         returns metrics to log. Default: nothing."""

@@ -33,8 +33,10 @@ import torch
 
 from miles.algorithms import register_algorithm
 from miles.algorithms.base import Algorithm, Policy
+from miles.algorithms.clip_calibration import calibrated_clip
 from miles.algorithms.rollout_correction import RolloutCorrection
-from miles.grpo.losses import grpo_policy_loss
+from miles.console import rank
+from miles.grpo.losses import grpo_policy_loss, policy_log_ratio
 from miles.rollout.batch import MicroBatch, RolloutBatch
 from miles.rollout.sampler import compute_log_prob, sde_step_indices
 from miles.rollout.sde import sde_std_dev, wan_sde_std_dev
@@ -50,6 +52,8 @@ class FlowGRPO(Algorithm):
     def __init__(self, cfg):
         self.rollout, self.grpo = cfg.rollout, cfg.grpo
         self.uses_reference = cfg.grpo.kl_beta > 0
+        # grpo.clip_range auto: None until measured before the run's first step with moved weights
+        self.clip_range = None if cfg.grpo.clip_range == "auto" else float(cfg.grpo.clip_range)
         # rollout.precision fp8: bf16 old log-probs and truncated importance weights (docs/fp8_rollout.md)
         self.correction = RolloutCorrection(cfg.rollout.tis_cap) if cfg.rollout.precision != "bf16" else None
 
@@ -97,6 +101,33 @@ class FlowGRPO(Algorithm):
             condition=chunk.condition,
         )
 
+    def state_dict(self) -> dict:
+        return {"clip_range": self.clip_range}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.grpo.clip_range == "auto" and state.get("clip_range") is not None:
+            self.clip_range = float(state["clip_range"])  # a resume keeps the calibrated value
+
+    @torch.no_grad()
+    def _calibrate(self, policy: Policy, chunks: list[MicroBatch]) -> None:
+        """``grpo.clip_range: auto`` (``miles.algorithms.clip_calibration``): |r − 1| of this step's ratios."""
+        devs = []
+        for chunk in chunks:
+            ro = chunk.rollout
+            for k in range(ro.log_probs.shape[1]):
+                log_prob, mean, std = self._log_prob(policy.transformers, policy, ro, k, chunk)
+                old = ro.log_probs[:, k].to(log_prob.device)
+                old_mean = ro.means[:, k].to(mean.device) if self.ratio_norm else None
+                log_ratio = policy_log_ratio(log_prob, old, mean=mean, std=std, old_mean=old_mean)
+                devs.append((log_ratio.exp() - 1.0).abs())
+        self.clip_range = calibrated_clip(torch.cat(devs), self.grpo.target_clipfrac)
+        if rank() == 0:
+            print(
+                f"[miles] grpo.clip_range auto: {self.clip_range:.3e} (the {1 - self.grpo.target_clipfrac:.0%} "
+                f"quantile of |ratio - 1| before the first step with moved weights)",
+                flush=True,
+            )
+
     @torch.no_grad()
     def _reference_mean(self, policy: Policy, ro, k: int, chunk: MicroBatch) -> torch.Tensor:
         with policy.reference() as transformers:
@@ -105,6 +136,9 @@ class FlowGRPO(Algorithm):
     def accumulate(
         self, policy: Policy, batch: RolloutBatch, chunks: list[MicroBatch], step_in_rollout: int = 0
     ) -> dict[str, float]:
+        if self.clip_range is None and step_in_rollout >= 1:
+            self._calibrate(policy, chunks)
+        clip_range = self.clip_range if self.clip_range is not None else math.inf  # the ratio is 1 here
         num_k = chunks[0].rollout.log_probs.shape[1]
         samples = sum(c.rollout.log_probs.shape[0] for c in chunks)
         sums = dict.fromkeys(_METRICS, 0.0)
@@ -132,7 +166,7 @@ class FlowGRPO(Algorithm):
                     log_prob,
                     old,
                     adv,
-                    self.grpo.clip_range,
+                    clip_range,
                     beta=self.grpo.kl_beta,
                     mean=mean,
                     ref_mean=ref_mean,
@@ -147,7 +181,8 @@ class FlowGRPO(Algorithm):
                 for key, value in zip(_METRICS, values):
                     sums[key] += float(value.detach()) * weight
         drift = self.correction.metrics() if self.correction is not None else {}
-        return {**sums, "log_prob_mean_abs_diff": canary, **drift}
+        calibrated = {"clip_range": self.clip_range} if self.grpo.clip_range == "auto" else {}
+        return {**sums, "log_prob_mean_abs_diff": canary, **drift, **calibrated}
 
 
 @register_algorithm("grpo_guard")

@@ -373,6 +373,7 @@ class Trainer:
             "config": to_dict(self.cfg),
             "model_fingerprint": self.model_fingerprint,
             "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
+            "algorithm": self.algorithm.state_dict(),
         }
 
     def save(self) -> None:
@@ -414,6 +415,7 @@ class Trainer:
         self.sampler.load_state_dict(state["sampler"])
         if self.lr_scheduler is not None and state.get("lr_scheduler"):  # the optimizer state holds the lr
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        self.algorithm.load_state_dict(state.get("algorithm") or {})
         self.logger.truncate_after(self.step)
         self._saved_step = self.step
         print0(
