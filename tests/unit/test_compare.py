@@ -17,7 +17,7 @@ from miles.compare.report import curves, table
 from miles.compare.sources import resolve
 
 ROOT = Path(__file__).resolve().parents[2]
-LOGGED = ROOT / "docs/learning/compare/runs/trained/eval/step_000000.json"
+LOGGED = ROOT / "docs/learning/compare/logs/trained/eval/step_000000.json"
 """The baseline evaluation a training run wrote (dp2, deterministic mode, 8 prompts x 4 seeds)."""
 
 
