@@ -101,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         trainer.train()  # a SIGINT/SIGTERM ends it early with a checkpoint (miles/train/stop.py)
         if rank0 and not trainer.stop.agreed:
-            print(result_line(run_dir, trainer.rollout_index, trainer.step), flush=True)
+            guard = f"; {trainer.guard.note}" if trainer.guard.note else ""  # train.guard fired
+            print(result_line(run_dir, trainer.rollout_index, trainer.step) + guard, flush=True)
     except (CheckpointWriteError, ExportWriteError, RewardFailed) as e:  # raised on every rank
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {e}", file=sys.stderr)

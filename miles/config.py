@@ -489,6 +489,19 @@ class TrainConfig:
     ema_decay: float = 0.0
     """Keep an exponential moving average of the trained weights (e ← decay·e + (1 − decay)·w after
     every optimizer step; sharded like the weights, checkpointed) and evaluate and export it; 0: off."""
+    guard: Literal["off", "warn", "stop", "kl"] = "off"
+    """The over-optimisation guard (miles/train/guard.py): when, over the last ``guard_window``
+    evaluations, the training reward rose while the held-out ``guard_reward`` fell by more than
+    ``guard_margin``: ``warn`` says so; ``stop`` also ends the run and names the best held-out
+    evaluation's checkpoint; ``kl`` multiplies the KL coefficient by ``guard_kl_factor``."""
+    guard_window: int = 2
+    """Evaluation intervals the guard compares across."""
+    guard_margin: float = 0.01
+    """The held-out fall (in the watched reward's units) that counts as over-optimisation."""
+    guard_reward: str | None = None
+    """The held-out reward the guard watches; None: the first ``reward.gold`` reward, else the trained mix."""
+    guard_kl_factor: float = 2.0
+    """``guard: kl``: the factor the KL coefficient is multiplied by at each firing."""
     weight_digest: bool = False
     """Print a sha256 of the full weights after every checkpoint save and load (checks that a resume
     across topologies restores the same bits; gathers every parameter, so off by default)."""
@@ -609,6 +622,9 @@ RANGES: dict[str, tuple[str, str]] = {
     "train.checkpoint_every": (">= 0", "0: only at the end"),
     "train.keep_checkpoints": (">= 0", "the last K complete checkpoints are kept, 0 keeps every one"),
     "train.ema_decay": ("[0, 1)", "0 turns the EMA off"),
+    "train.guard_window": (">= 1", "evaluation intervals"),
+    "train.guard_margin": (">= 0", "the held-out fall that fires the guard"),
+    "train.guard_kl_factor": ("> 1", "the KL coefficient's multiplier at each firing"),
 }
 # Each reward's options declare their own ranges (their class's RANGES, keyed by field).
 RANGES.update(
@@ -749,6 +765,21 @@ def validate(cfg: Config) -> None:
             cfg.grpo.clip_range != "auto" or cfg.train.steps_per_rollout >= 2,
             "grpo.clip_range auto measures the ratios of a rollout's second optimizer step (on its first "
             "the ratio is 1): it needs train.steps_per_rollout >= 2",
+        ),
+        (
+            cfg.train.guard == "off" or (bool(cfg.eval.prompt_file) and cfg.eval.every > 0),
+            "train.guard watches the held-out evaluations: it needs eval.prompt_file and eval.every > 0",
+        ),
+        (
+            cfg.train.guard != "kl"
+            or (cfg.algorithm.name in ("flow_grpo", "grpo_guard") and cfg.grpo.kl_beta > 0),
+            "train.guard kl raises the KL coefficient of a run that has one: algorithm.name flow_grpo or "
+            "grpo_guard with grpo.kl_beta > 0 (the reference policy is kept only then)",
+        ),
+        (
+            cfg.train.guard_reward in (None, "reward", *cfg.reward.weights, *cfg.reward.gold),
+            f"train.guard_reward {cfg.train.guard_reward!r} is not evaluated: give reward, a trained reward "
+            f"({', '.join(cfg.reward.weights)}) or a reward.gold one",
         ),
         (
             not (cfg.train.overwrite and cfg.train.resume),

@@ -100,6 +100,10 @@ class Algorithm(abc.ABC):
         """Restore :meth:`state_dict`'s values at a resume. Default: nothing."""
         del state
 
+    def scale_kl(self, factor: float) -> float:
+        """Multiply the KL coefficient by ``factor`` (``train.guard: kl``); returns the new one."""
+        raise ValueError(f"{self.name} has no KL coefficient the guard can raise")
+
     def after_rollout(self, policy: Policy, step: int) -> dict[str, float]:
         """Called once a rollout's optimizer steps are done (``step``: optimizer steps so far);
         returns metrics to log. Default: nothing."""

@@ -52,6 +52,7 @@ class FlowGRPO(Algorithm):
     def __init__(self, cfg):
         self.rollout, self.grpo = cfg.rollout, cfg.grpo
         self.uses_reference = cfg.grpo.kl_beta > 0
+        self.kl_beta = cfg.grpo.kl_beta  # train.guard kl raises it (scale_kl)
         # grpo.clip_range auto: None until measured before the run's first step with moved weights
         self.clip_range = None if cfg.grpo.clip_range == "auto" else float(cfg.grpo.clip_range)
         # rollout.precision fp8: bf16 old log-probs and truncated importance weights (docs/fp8_rollout.md)
@@ -70,7 +71,7 @@ class FlowGRPO(Algorithm):
 
     def forwards_per_sample(self, batch: RolloutBatch) -> int:
         cfg = 2 if self.grpo.train_cfg and self.rollout.guidance_scale > 1 else 1
-        return len(batch.sde_steps) * cfg * (2 if self.grpo.kl_beta > 0 else 1)
+        return len(batch.sde_steps) * cfg * (2 if self.kl_beta > 0 else 1)
 
     def _step_weight(self, ro, k: int) -> float:
         """``grpo.step_loss_weight``: 1, or σ_t/√|dt| of SDE step k, with σ_t the step's noise scale
@@ -102,9 +103,14 @@ class FlowGRPO(Algorithm):
         )
 
     def state_dict(self) -> dict:
-        return {"clip_range": self.clip_range}
+        return {"clip_range": self.clip_range, "kl_beta": self.kl_beta}
+
+    def scale_kl(self, factor: float) -> float:
+        self.kl_beta *= factor
+        return self.kl_beta
 
     def load_state_dict(self, state: dict) -> None:
+        self.kl_beta = float(state.get("kl_beta", self.kl_beta))
         if self.grpo.clip_range == "auto" and state.get("clip_range") is not None:
             self.clip_range = float(state["clip_range"])  # a resume keeps the calibrated value
 
@@ -161,13 +167,13 @@ class FlowGRPO(Algorithm):
                     old, tis = self.correction.old_and_weight(
                         chunk, k, log_prob, old, weight, step_in_rollout
                     )
-                ref_mean = self._reference_mean(policy, ro, k, chunk) if self.grpo.kl_beta > 0 else None
+                ref_mean = self._reference_mean(policy, ro, k, chunk) if self.kl_beta > 0 else None
                 out = grpo_policy_loss(
                     log_prob,
                     old,
                     adv,
                     clip_range,
-                    beta=self.grpo.kl_beta,
+                    beta=self.kl_beta,
                     mean=mean,
                     ref_mean=ref_mean,
                     std=std,
@@ -181,7 +187,11 @@ class FlowGRPO(Algorithm):
                 for key, value in zip(_METRICS, values):
                     sums[key] += float(value.detach()) * weight
         drift = self.correction.metrics() if self.correction is not None else {}
-        calibrated = {"clip_range": self.clip_range} if self.grpo.clip_range == "auto" else {}
+        calibrated = (
+            {"clip_range": self.clip_range}
+            if self.clip_range is not None and self.grpo.clip_range == "auto"
+            else {}
+        )
         return {**sums, "log_prob_mean_abs_diff": canary, **drift, **calibrated}
 
 

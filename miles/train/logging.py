@@ -185,6 +185,18 @@ def rollout_line(rollout_index: int, step: int, rewards: torch.Tensor, first: di
     )
 
 
+def layout_line(trainer) -> str:
+    """The run's layout, model and directory (the trainer prints it once)."""
+    d, model, tokens = trainer.dims, trainer.model, trainer.num_tokens
+    return (
+        f"[miles] world {trainer.world_size} = dp {d.dp} x sp {d.sp} (ulysses {d.ulysses} x ring {d.ring}); "
+        f"model {model.path} ({len(model.transformers)} expert(s), "
+        f"{model.num_attention_heads} heads); {tokens} tokens/sample "
+        f"({-(-tokens // d.sp)} per sp rank); attention backend "
+        f"{trainer.attention_backend or 'default'}; run dir {trainer.run_dir}"
+    )
+
+
 def eval_line(step: int, metrics: dict, samples: int) -> str:
     """The console line of one held-out evaluation: every reward's mean."""
     means = " ".join(f"{k[5:-5]}={v:.4f}" for k, v in metrics.items() if k.endswith("/mean"))

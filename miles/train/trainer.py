@@ -49,10 +49,12 @@ from miles.train.checkpoint import (
 from miles.train.collect import Collector, decode_ahead_for, guidance_scales, run_generator
 from miles.train.ema import EMA
 from miles.train.export import export_pipeline
+from miles.train.guard import build_guard, react
 from miles.train.logging import (
     MetricsLogger,
     configure_library_progress,
     eval_line,
+    layout_line,
     print0,
     rollout_line,
     show_progress,
@@ -162,14 +164,7 @@ class Trainer:
 
     def _say_layout(self) -> None:
         """The run's layout, model and directory, once (rank 0)."""
-        d = self.dims
-        print0(
-            f"[miles] world {self.world_size} = dp {d.dp} x sp {d.sp} (ulysses {d.ulysses} x ring {d.ring}); "
-            f"model {self.model.path} ({len(self.model.transformers)} expert(s), "
-            f"{self.model.num_attention_heads} heads); {self.num_tokens} tokens/sample "
-            f"({-(-self.num_tokens // d.sp)} per sp rank); attention backend "
-            f"{self.attention_backend or 'default'}; run dir {self.run_dir}"
-        )
+        print0(layout_line(self))
 
     def _collector(self):
         """Rollouts (:class:`Collector`), or the batches of the source the algorithm declares
@@ -194,6 +189,7 @@ class Trainer:
             weight_decay=cfg.weight_decay,
         )
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg)  # None: a constant lr
+        self.guard = build_guard(self.cfg)  # train.guard: reward hacking on the held-out set
         self._saved_step = -1
         self._eval_step = -1
         self.step = 0  # optimizer steps taken
@@ -374,6 +370,7 @@ class Trainer:
             "model_fingerprint": self.model_fingerprint,
             "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
             "algorithm": self.algorithm.state_dict(),
+            "guard": self.guard.state_dict(),
         }
 
     def save(self) -> None:
@@ -416,6 +413,7 @@ class Trainer:
         if self.lr_scheduler is not None and state.get("lr_scheduler"):  # the optimizer state holds the lr
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self.algorithm.load_state_dict(state.get("algorithm") or {})
+        self.guard.load_state_dict(state.get("guard") or {})
         self.logger.truncate_after(self.step)
         self._saved_step = self.step
         print0(
@@ -439,8 +437,8 @@ class Trainer:
         with self.stop:
             if self.rollout_index == 0:
                 self.evaluate()  # the baseline
-            while self.rollout_index < cfg.train.num_rollouts and not self.stop.requested():
-                if not self._iteration():
+            while self.rollout_index < cfg.train.num_rollouts and not self.guard.stopped:
+                if self.stop.requested() or not self._iteration():
                     break
                 bar.update(1)
                 if cfg.eval.every and self.rollout_index % cfg.eval.every == 0:
@@ -558,6 +556,7 @@ class Trainer:
         self.logger.log_eval(metrics, step=self.step, grid=grid, caption=caption)
         self._eval_step = self.step
         print0(eval_line(self.step, metrics, len(result["prompts"])))
+        react(self.guard, self.step, metrics, self.algorithm, self.cfg.train, self.run_dir, print0)
 
     def _log(
         self,
@@ -570,6 +569,7 @@ class Trainer:
         t_train: float,
     ) -> None:
         rewards = scores.reward_all
+        self.guard.train_reward(float(rewards.mean()))
         forwards = self.algorithm.forwards_per_sample(batch)
         samples = rewards.numel()
         metrics = {
