@@ -24,7 +24,7 @@ def mean_se(values: Sequence[float]) -> tuple[float, float]:
 
 
 def verdict(a: str, b: str, diff: float, se: float, z: float) -> str:
-    """``"A > B by 4.1 SE"``, ``"A ≈ B (1.2 SE < 3)"`` or ``"A = B (identical scores)"``."""
+    """``"A > B by 4.1 SE"``, ``"A ≈ B (+1.2 SE, under 3)"`` or ``"A = B (identical scores)"``."""
     if se == 0.0:
         if diff == 0.0:
             return f"{a} = {b} (identical scores)"
@@ -32,7 +32,7 @@ def verdict(a: str, b: str, diff: float, se: float, z: float) -> str:
         return f"{hi} > {lo} (every sample by the same {abs(diff):.4g})"
     score = diff / se
     if abs(score) < z:
-        return f"{a} ≈ {b} ({score:+.1f} SE, |z| < {z:g})"
+        return f"{a} ≈ {b} ({score:+.1f} SE, under {z:g})"
     hi, lo = (a, b) if score > 0 else (b, a)
     return f"{hi} > {lo} by {abs(score):.1f} SE"
 

@@ -36,7 +36,7 @@ def test_paired_difference_and_its_standard_error_match_a_float64_reference():
     assert out["se"] == pytest.approx(se, rel=1e-12)
     assert out["verdict"] == f"a > b by {statistics.fmean(diffs) / se:.1f} SE"
     assert paired(b, a, ("b", "a"), z=3.0)["verdict"] == out["verdict"]  # the greater named first
-    assert verdict("a", "b", 0.01, 0.01, 3.0) == "a ≈ b (+1.0 SE, |z| < 3)"
+    assert verdict("a", "b", 0.01, 0.01, 3.0) == "a ≈ b (+1.0 SE, under 3)"
     assert verdict("a", "b", 0.0, 0.0, 3.0) == "a = b (identical scores)"
 
 
