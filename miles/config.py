@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextvars
 import dataclasses
+import importlib.util
 import math
 import types
 import typing
@@ -760,6 +761,15 @@ def validate(cfg: Config) -> None:
             or cfg.train.lr_warmup_steps < cfg.train.num_rollouts * cfg.train.steps_per_rollout,
             "train.lr_warmup_steps must be below the run's optimizer steps (train.num_rollouts x "
             "train.steps_per_rollout) for the cosine schedule to have steps to anneal over",
+        ),
+        (
+            cfg.grpo.clip_range != "auto" or cfg.algorithm.name in ("flow_grpo", "grpo_guard"),
+            f"grpo.clip_range auto calibrates Flow-GRPO's ratio clip; algorithm.name {cfg.algorithm.name} "
+            "does not use grpo.clip_range",
+        ),
+        (
+            not cfg.run.tensorboard or importlib.util.find_spec("tensorboard") is not None,
+            "run.tensorboard needs the tensorboard package: pip install 'miles[tensorboard]'",
         ),
         (
             cfg.grpo.clip_range != "auto" or cfg.train.steps_per_rollout >= 2,

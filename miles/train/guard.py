@@ -5,7 +5,8 @@ falls on prompts the training never sees: the held-out score of a ``reward.gold`
 trained on), or else of the trained combination itself. At every held-out evaluation the guard
 compares the last ``train.guard_window`` evaluation intervals: it fires when
 
-    the training reward (mean of the rollouts since the previous evaluation) rose over the window, and
+    the training reward (mean of the rollouts since the previous evaluation; at the baseline
+    evaluation, the first rollout's, sampled by the same weights) rose over the window, and
     the watched held-out mean fell by more than ``train.guard_margin`` over the same window.
 
 Then, by ``train.guard``: ``warn`` prints it and trains on; ``stop`` also ends the run after this
@@ -33,7 +34,10 @@ class Guard:
     stopped: bool = False
 
     def train_reward(self, value: float) -> None:
-        """One rollout's training reward mean."""
+        """One rollout's training reward mean. The baseline evaluation's training reward is the
+        first rollout's (sampled by the same weights)."""
+        if self.history and self.history[-1]["train"] is None and not self.rewards:
+            self.history[-1]["train"] = float(value)
         self.rewards.append(float(value))
 
     def evaluation(self, step: int, metrics: dict) -> str | None:
@@ -47,8 +51,8 @@ class Guard:
         if len(self.history) <= self.window:
             return None
         start, end = self.history[-1 - self.window], self.history[-1]
-        if start["train"] is None:  # the baseline evaluation: no rollout before it; the first interval's
-            start = {**start, "train": self.history[-self.window]["train"]}
+        if start["train"] is None or end["train"] is None:
+            return None
         rose = end["train"] > start["train"]
         fell = start["heldout"] - end["heldout"] > self.margin
         if not (rose and fell):
@@ -95,11 +99,12 @@ def react(guard: Guard, step: int, metrics: dict, algorithm, train_cfg, run_dir,
         line += f"; KL coefficient raised to {beta:g}"
     elif guard.action == "stop":
         best = Path(run_dir) / "checkpoints" / f"step_{guard.best_step():06d}"
-        kept = (
-            f"its checkpoint {best}"
-            if (best / "COMPLETE").is_file()
-            else "no checkpoint was saved at that step"
-        )
+        if guard.best_step() == 0:
+            kept = "the best are the initial weights, model.path"
+        elif (best / "COMPLETE").is_file():
+            kept = f"its checkpoint {best}"
+        else:
+            kept = "no checkpoint was saved at that step"
         line += f"; stopping after this evaluation ({kept})"
     guard.note = line
     say(f"[miles] {line}")

@@ -38,10 +38,14 @@ def test_fires_only_when_the_training_reward_rises_and_the_heldout_falls_past_th
     assert _feed(Guard("off", 2, 0.02, "gold"), hacked) == [None] * 4
 
 
-def test_the_first_window_uses_the_first_interval_for_the_baseline_training_reward():
+def test_the_baseline_evaluation_takes_the_first_rollouts_training_reward():
     g = Guard("warn", window=1, margin=0.0, watch="gold")
-    assert _feed(g, [(None, 0.40), (0.50, 0.30)]) == [None, None]  # one interval: no rise to see yet
-    assert _feed(Guard("warn", 1, 0.0, "gold"), [(None, 0.4), (0.5, 0.45), (0.6, 0.41)])[2] is not None
+    g.evaluation(0, {"eval/gold/mean": 0.40})
+    for r in (0.30, 0.50):  # the first rollout (sampled by the baseline's weights), then one more
+        g.train_reward(r)
+    line = g.evaluation(4, {"eval/gold/mean": 0.35})
+    assert g.history[0]["train"] == 0.30 and g.history[1]["train"] == 0.40
+    assert line is not None and "rose 0.3000 -> 0.4000" in line and "fell 0.4000 -> 0.3500" in line
 
 
 class _Algo:
