@@ -108,3 +108,23 @@ def test_tensorboard_event_files_hold_the_metric_names_and_the_eval_video(tmp_pa
     (image,) = acc.Images("eval/grid")
     assert (image.step, image.width, image.height) == (2, 10, 8)
     assert image.encoded_image_string[:6] == b"GIF89a"
+
+
+def test_a_resume_is_refused_when_the_schedule_would_not_continue(tmp_path):
+    from miles.config import to_dict
+    from miles.train.resume import check_resume_config
+
+    cosine = ["--train.lr-schedule", "cosine", "--train.lr-warmup-steps", "2", "--train.num-rollouts", "5"]
+    saved = to_dict(parse_args(cosine)[0])
+    check_resume_config(tmp_path, saved, parse_args(cosine)[0])  # the same run: resumes
+    with pytest.raises(ValueError, match="cosine schedule's length.*10 optimizer steps, this launch 16"):
+        check_resume_config(tmp_path, saved, parse_args([*cosine, "--train.num-rollouts", "8"])[0])
+    with pytest.raises(
+        ValueError, match=r"train.lr_warmup_steps \(the lr schedule\).*--train.lr-warmup-steps 2"
+    ):
+        check_resume_config(tmp_path, saved, parse_args([*cosine, "--train.lr-warmup-steps", "3"])[0])
+    old = to_dict(parse_args([])[0])
+    del old["train"]["lr_schedule"]  # a checkpoint from before schedules: it ran a constant lr
+    check_resume_config(
+        tmp_path, old, parse_args(["--train.num-rollouts", "9"])[0]
+    )  # constant: longer is fine
