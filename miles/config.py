@@ -272,11 +272,15 @@ class AlgorithmConfig:
 class GRPOConfig:
     clip_range: float | Literal["auto"] = 1e-4
     """PPO ratio clip epsilon (Flow-GRPO uses 1e-4: per-step log-probs are averaged over many dims).
-    ``auto``: measured before the run's second optimizer step, from the spread of its ratios (the
-    policy has moved once since the rollout), as the clip that ``target_clipfrac`` of them exceed;
+    ``auto``: measured before the second optimizer step of the first ``calibration_rollouts`` rollouts
+    (the policy has moved once since the rollout), as the clip that ``target_clipfrac`` of them exceed;
     logged as ``train/clip_range`` and saved with the checkpoint (miles/algorithms/clip_calibration.py)."""
     target_clipfrac: float = 0.2
     """With ``clip_range: auto``: the fraction of ratios the calibrated clip range leaves outside 1 ± clip."""
+    calibration_rollouts: int = 3
+    """With ``clip_range: auto``: measured again before the second step of each of the first N rollouts,
+    the last measurement kept (the first update after the initial weights is the largest: on the world
+    its ratio spread is ~3x the later ones')."""
     adv_clip_max: float = 5.0
     """Advantages are clipped to [-adv_clip_max, adv_clip_max]."""
     global_std: bool = False
@@ -579,6 +583,7 @@ RANGES: dict[str, tuple[str, str]] = {
     "reward.num_frames": ("[1, 4097]", "frames sampled from each video for frame-level rewards"),
     "grpo.clip_range": ("(0, 100]", "Flow-GRPO uses 1e-4; or auto"),
     "grpo.target_clipfrac": ("(0, 1)", "the clipped fraction clip_range auto aims at"),
+    "grpo.calibration_rollouts": ("[1, 1000]", "rollouts whose second step clip_range auto is measured on"),
     "grpo.adv_clip_max": ("(0, 1000]", ""),
     "grpo.kl_beta": ("[0, 1e6]", "0 turns the KL term off"),
     "nft.beta": ("(0, 100]", "the reference uses 1.0"),

@@ -53,7 +53,7 @@ class FlowGRPO(Algorithm):
         self.rollout, self.grpo = cfg.rollout, cfg.grpo
         self.uses_reference = cfg.grpo.kl_beta > 0
         self.kl_beta = cfg.grpo.kl_beta  # train.guard kl raises it (scale_kl)
-        # grpo.clip_range auto: None until measured before the run's first step with moved weights
+        # grpo.clip_range auto: None until measured before the first rollout's second step
         self.clip_range = None if cfg.grpo.clip_range == "auto" else float(cfg.grpo.clip_range)
         # rollout.precision fp8: bf16 old log-probs and truncated importance weights (docs/fp8_rollout.md)
         self.correction = RolloutCorrection(cfg.rollout.tis_cap) if cfg.rollout.precision != "bf16" else None
@@ -130,7 +130,7 @@ class FlowGRPO(Algorithm):
         if rank() == 0:
             print(
                 f"[miles] grpo.clip_range auto: {self.clip_range:.3e} (the {1 - self.grpo.target_clipfrac:.0%} "
-                f"quantile of |ratio - 1| before the first step with moved weights)",
+                f"quantile of |ratio - 1| before a rollout's second step)",
                 flush=True,
             )
 
@@ -142,8 +142,11 @@ class FlowGRPO(Algorithm):
     def accumulate(
         self, policy: Policy, batch: RolloutBatch, chunks: list[MicroBatch], step_in_rollout: int = 0
     ) -> dict[str, float]:
-        if self.clip_range is None and step_in_rollout >= 1:
-            self._calibrate(policy, chunks)
+        auto = self.grpo.clip_range == "auto"
+        if auto and step_in_rollout == 1 and batch.rollout_index < self.grpo.calibration_rollouts:
+            self._calibrate(
+                policy, chunks
+            )  # measured again at each of the first rollouts; the last one holds
         clip_range = self.clip_range if self.clip_range is not None else math.inf  # the ratio is 1 here
         num_k = chunks[0].rollout.log_probs.shape[1]
         samples = sum(c.rollout.log_probs.shape[0] for c in chunks)

@@ -26,9 +26,8 @@ def test_the_calibrated_clip_is_the_quantile_that_leaves_the_target_fraction_out
 
 def test_flow_grpo_calibrates_before_its_first_moved_step_and_a_resume_keeps_the_value(monkeypatch):
     cfg, model, policy, batch = _setup("bf16", 0.0, perturb=0.0)
-    cfg = dataclasses.replace(
-        cfg, grpo=dataclasses.replace(cfg.grpo, clip_range="auto", target_clipfrac=0.25)
-    )
+    grpo = dataclasses.replace(cfg.grpo, clip_range="auto", target_clipfrac=0.25, calibration_rollouts=1)
+    cfg = dataclasses.replace(cfg, grpo=grpo)
     algorithm = build_algorithm(cfg)
     first = algorithm.accumulate(policy, batch, [batch.chunks[0]], step_in_rollout=0)
     assert algorithm.clip_range is None and "clip_range" not in first and first["clipfrac"] == 0.0
@@ -52,8 +51,27 @@ def test_flow_grpo_calibrates_before_its_first_moved_step_and_a_resume_keeps_the
     resumed = build_algorithm(cfg)
     resumed.load_state_dict(algorithm.state_dict())
     monkeypatch.setattr(type(resumed), "_calibrate", lambda *a: pytest.fail("measured again after a resume"))
+    batch.rollout_index = 1  # a checkpoint ends a rollout: the resumed run starts at the next
     again = resumed.accumulate(policy, batch, [chunk], step_in_rollout=1)
     assert again["clip_range"] == algorithm.clip_range and again["clipfrac"] == second["clipfrac"]
+
+
+def test_auto_measures_again_on_the_first_calibration_rollouts_only(monkeypatch):
+    cfg, model, policy, batch = _setup("bf16", 0.0, perturb=0.0)
+    grpo = dataclasses.replace(cfg.grpo, clip_range="auto", calibration_rollouts=2)
+    algorithm = build_algorithm(dataclasses.replace(cfg, grpo=grpo))
+    measured = []
+
+    def calibrate(self, policy, chunks):
+        measured.append(batch.rollout_index)
+        self.clip_range = 0.01 * (len(measured))
+
+    monkeypatch.setattr(type(algorithm), "_calibrate", calibrate)
+    for index in range(4):
+        batch.rollout_index = index
+        for m in range(2):
+            algorithm.accumulate(policy, batch, [batch.chunks[m]], step_in_rollout=m)
+    assert measured == [0, 1] and algorithm.clip_range == 0.02  # the last measurement holds
 
 
 def test_auto_needs_a_second_step_per_rollout():
