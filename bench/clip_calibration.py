@@ -92,7 +92,9 @@ def main() -> int:
     )
     print("|---|---|---|---|---|")
     for clip, r in results.items():
-        used = r["clip_range"][0] if r["clip_range"] and r["clip_range"][0] is not None else clip
+        used = (
+            r["clip_range"][-1] if r["clip_range"] and r["clip_range"][-1] is not None else clip
+        )  # the last
         tr = r["training_reward"]
         ho = [h["world_adherence"] for h in r["heldout"]]
         print(

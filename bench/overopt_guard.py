@@ -1,7 +1,8 @@
 """The over-optimisation guard on a world built to over-optimise (CPU): ``configs/world_overopt_cpu.yaml``
 trains on JPEG compressibility with ``world_adherence`` as the gold reward on the held-out prompts.
 
-    python bench/overopt_guard.py --out docs/learning/guard --actions stop warn
+    python bench/overopt_guard.py --out docs/learning/guard --actions stop warn --num-rollouts 10
+    python bench/overopt_guard.py --out OUT --config configs/world_cpu.yaml --actions warn --num-rollouts 10  # control
 
 Each action is one run of ``train_grpo.py`` (one process, deterministic mode): DiffusionNFT at lr 3e-4,
 held-out evaluation every 2 rollouts (8 prompts x 1 seed), a checkpoint at each. ``stop`` ends at the
@@ -34,6 +35,9 @@ def main() -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--actions", nargs="+", default=["stop"])
     ap.add_argument("--num-rollouts", type=int, default=12)
+    ap.add_argument(
+        "--config", default="configs/world_overopt_cpu.yaml", help="the control: configs/world_cpu.yaml"
+    )
     args, extra = ap.parse_known_args()
     extra = [a for a in extra if a != "--"]
     args.out.mkdir(parents=True, exist_ok=True)
@@ -45,7 +49,7 @@ def main() -> int:
             sys.executable,
             str(ROOT / "train_grpo.py"),
             "--config",
-            str(ROOT / "configs/world_overopt_cpu.yaml"),
+            str(ROOT / args.config),
         ]
         cmd += ["--deterministic-mode", "--run.wandb-mode", "disabled", "--run.no-progress"]
         cmd += [
@@ -84,9 +88,7 @@ def main() -> int:
         print(f"{action}: exit {out.returncode}, {runs[action]['wall_s']:.0f} s", flush=True)
         for line in runs[action]["guard_lines"]:
             print("  " + line)
-    saved.write_text(
-        json.dumps({"config": "configs/world_overopt_cpu.yaml", "extra": extra, "runs": runs}, indent=1)
-    )
+    saved.write_text(json.dumps({"config": args.config, "extra": extra, "runs": runs}, indent=1))
     return 0
 
 
