@@ -49,6 +49,7 @@ from miles.train.checkpoint import (
 from miles.train.collect import Collector, decode_ahead_for, guidance_scales, run_generator
 from miles.train.ema import EMA
 from miles.train.export import export_pipeline
+from miles.train.extra_state import extra_state, load_extra_state
 from miles.train.guard import build_guard, react
 from miles.train.logging import (
     MetricsLogger,
@@ -368,9 +369,7 @@ class Trainer:
             "sp": self.dims.sp,
             "config": to_dict(self.cfg),
             "model_fingerprint": self.model_fingerprint,
-            "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
-            "algorithm": self.algorithm.state_dict(),
-            "guard": self.guard.state_dict(),
+            **extra_state(self.lr_scheduler, self.algorithm, self.guard),
         }
 
     def save(self) -> None:
@@ -410,10 +409,7 @@ class Trainer:
             self.old_policy.soft_update(0.0)
         self.step, self.rollout_index = state["step"], state["rollout_index"]
         self.sampler.load_state_dict(state["sampler"])
-        if self.lr_scheduler is not None and state.get("lr_scheduler"):  # the optimizer state holds the lr
-            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        self.algorithm.load_state_dict(state.get("algorithm") or {})
-        self.guard.load_state_dict(state.get("guard") or {})
+        load_extra_state(state, self.lr_scheduler, self.algorithm, self.guard)
         self.logger.truncate_after(self.step)
         self._saved_step = self.step
         print0(
@@ -543,6 +539,7 @@ class Trainer:
                 images=self.eval_images,
                 encode=lambda texts: (self.prompt_cache.embeds(texts), self.prompt_cache.negative()),
                 gather=gather,
+                progress=self.progress,
             )
         metrics = {
             **summarize(result),
@@ -589,7 +586,8 @@ class Trainer:
             step = self.step - len(step_stats) + i + 1
             row_metrics = {f"train/{k}": v for k, v in row.items()}
             self.logger.log({**metrics, **row_metrics} if i == 0 else row_metrics, step=step)
-        print0(rollout_line(self.rollout_index, self.step, rewards, step_stats[0], t_train / len(step_stats)))
+        shown = rewards if self.algorithm.uses_rewards else None  # SFT scores nothing: its loss
+        print0(rollout_line(self.rollout_index, self.step, shown, step_stats[0], t_train / len(step_stats)))
         if self._logs_videos(self.rollout_index) and scores.videos is not None:
             # rank 0's decoded samples: with sp > 1, every sp-th micro-batch of its dp rank
             self.logger.log_videos(scores.videos, scores.video_prompts, scores.video_rewards, step=self.step)
