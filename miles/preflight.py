@@ -97,12 +97,13 @@ def main(argv: list[str] | None = None) -> int:
     from miles.console import configure_library_progress, show_progress
 
     pre = argparse.ArgumentParser(prog="python -m miles.preflight", description=__doc__.split("\n\n")[0])
+    pre.add_argument("--config", default=None, help="the recipe (model, prompts, group size, rewards)")
     pre.add_argument("--out", type=Path, default=None)
     pre.add_argument("--num-prompts", type=int, default=8)
     pre.add_argument("--rescore", type=int, default=2, help="times each video is scored again (noise)")
     opts, rest = pre.parse_known_args(argv)
     try:
-        cfg, _ = parse_args(rest)
+        cfg, _ = parse_args((["--config", opts.config] if opts.config else []) + rest)
         if not cfg.data.prompt_file:
             raise ConfigError("give the prompts to sample: --data.prompt-file FILE")
         if opts.num_prompts < 2:
