@@ -111,7 +111,7 @@ def _parse(argv: list[str] | None) -> tuple[Config, Path, Path | None]:
 def main(argv: list[str] | None = None) -> int:
     from miles.data.prompts import check_prompt_images, load_prompts
     from miles.eval.evaluate import eval_settings, evaluate, summarize, write_eval
-    from miles.models.wan import load_wan
+    from miles.models.family import family_of, model_folder
     from miles.rewards.from_config import build_configured_rewards
     from miles.rewards.shaping import EvalRewards
 
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         device = device or torch.device("cpu")
         rewards = EvalRewards(*build_configured_rewards(cfg.reward, device))
-        model = load_wan(cfg.model, device)
+        model = family_of(model_folder(cfg.model)).load(cfg.model, device)
         image_to_video = model.condition_mode is not None
         check_prompt_images(held_out, cfg.eval.prompt_file, image_to_video)  # image-to-video: an image each
         if checkpoint is not None:
