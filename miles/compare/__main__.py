@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     (opts.out / "compare.md").write_text(text)
     report = {
         "runs": {s.label: {"kind": s.kind, "path": str(s.path), "run_dir": str(s.run_dir)} for s in sources},
-        "eval": {"prompt_file": cfg.eval.prompt_file, "num_seeds": cfg.eval.num_seeds, "seed": cfg.run.seed},
+        "eval": {"prompt_file": cfg.eval.prompt_file, "num_seeds": cfg.eval.num_seeds, "seed": cfg.eval.seed},
         "z": opts.z,
         **comparison,
         "curves": runs_curves,

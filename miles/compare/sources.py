@@ -11,7 +11,7 @@ A run argument is one of
   per-sample scores are read, nothing is sampled.
 
 Models are sampled by ``miles.eval.evaluate`` with one config (prompts, seeds, rollout settings,
-rewards and ``run.seed``, which fixes the noise), so every run sees the same samples' noise.
+rewards and ``eval.seed``, which fixes the noise), so every run sees the same samples' noise.
 """
 
 from __future__ import annotations
