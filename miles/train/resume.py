@@ -79,6 +79,33 @@ def config_differences(saved: dict, cfg: Config) -> list[str]:
     return diffs
 
 
+# the learning-rate schedule the checkpoint's scheduler state continues (miles/train/schedule.py);
+# checkpoints saved before schedules existed ran the defaults
+SCHEDULE_MUST_MATCH = {"train.lr_schedule": "constant", "train.lr_warmup_steps": 0, "train.lr_min_ratio": 0.0}
+
+
+def schedule_differences(saved: dict, cfg: Config) -> list[str]:
+    """Where the checkpoint's lr schedule and this launch's differ: the kind, the warm-up, the floor,
+    and for ``cosine`` its length (``train.num_rollouts`` x ``train.steps_per_rollout``)."""
+    current = dataclasses.asdict(cfg)
+    diffs = []
+    for key, default in SCHEDULE_MUST_MATCH.items():
+        a, b = _get(saved, key), _get(current, key)
+        a = default if a is None else a
+        if a != b:
+            diffs.append(
+                f"{key} (the lr schedule): the checkpoint has {a!r}, this launch {b!r} [{_flag(key, a)}]"
+            )
+    if cfg.train.lr_schedule == "cosine" and not diffs:
+        length = (_get(saved, "train.num_rollouts") or 0) * (_get(saved, "train.steps_per_rollout") or 0)
+        if length != cfg.train.num_rollouts * cfg.train.steps_per_rollout:
+            diffs.append(
+                f"train.num_rollouts x train.steps_per_rollout (the cosine schedule's length): the checkpoint "
+                f"has {length} optimizer steps, this launch {cfg.train.num_rollouts * cfg.train.steps_per_rollout}"
+            )
+    return diffs
+
+
 def _saved_state(path: Path) -> dict | None:
     """The trainer state saved with the checkpoint at ``path`` (None: its trainer.json is unreadable)."""
     try:
@@ -95,7 +122,7 @@ def current_fingerprint(cfg: Config) -> dict | None:
 
 def check_resume_config(path: Path, saved: dict, cfg: Config) -> None:
     """Refuse (``ValueError``) to resume ``path``, saved with config ``saved``, under ``cfg``."""
-    diffs = config_differences(saved, cfg)
+    diffs = config_differences(saved, cfg) + schedule_differences(saved, cfg)
     if diffs:
         raise ValueError(
             f"cannot resume {path}: it was saved with a different configuration: "

@@ -6,6 +6,7 @@ from __future__ import annotations
 import faulthandler
 import os
 import resource
+import signal
 import sys
 from datetime import timedelta
 
@@ -73,3 +74,11 @@ def deterministic_kernels() -> None:
 
     if hasattr(inductor_config, "deterministic"):
         inductor_config.deterministic = True
+
+
+def maybe_inject_fault(rank: int, step: int) -> None:
+    """Testing hook: ``MILES_FAULT_KILL=RANK:STEP`` SIGKILLs that rank in the middle of that
+    optimizer step (after its backward, before the update), as a dying machine would."""
+    spec = os.environ.get("MILES_FAULT_KILL")
+    if spec and spec == f"{rank}:{step}":
+        os.kill(os.getpid(), signal.SIGKILL)

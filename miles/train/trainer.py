@@ -13,7 +13,6 @@ import contextlib
 import dataclasses
 import math
 import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -51,10 +50,13 @@ from miles.train.checkpoint import (
 from miles.train.collect import Collector, decode_ahead_for, guidance_scales, run_generator
 from miles.train.ema import EMA
 from miles.train.export import export_pipeline
+from miles.train.extra_state import extra_state, load_extra_state
+from miles.train.guard import build_guard, react
 from miles.train.logging import (
     MetricsLogger,
     configure_library_progress,
     eval_line,
+    layout_line,
     print0,
     rollout_line,
     show_progress,
@@ -67,18 +69,11 @@ from miles.train.plan import plan_run
 from miles.train.prompt_checks import warn_truncated_prompts
 from miles.train.reward_failure import GuardedRewards, reward_failed
 from miles.train.run_dir import clear_run_dir, lock_run_dir
-from miles.train.runtime import deterministic_kernels, init_distributed, peak_memory_gib
+from miles.train.runtime import deterministic_kernels, init_distributed, maybe_inject_fault, peak_memory_gib
+from miles.train.schedule import build_lr_scheduler, current_lr
 from miles.train.score import NonFiniteError, score
 from miles.train.sources import batch_source, unscored
 from miles.train.stop import GracefulStop, StopRequested
-
-
-def _maybe_inject_fault(rank: int, step: int) -> None:
-    """Testing hook: ``MILES_FAULT_KILL=RANK:STEP`` SIGKILLs that rank in the middle of that
-    optimizer step (after its backward, before the update), as a dying machine would."""
-    spec = os.environ.get("MILES_FAULT_KILL")
-    if spec and spec == f"{rank}:{step}":
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 class Trainer:
@@ -164,14 +159,7 @@ class Trainer:
 
     def _say_layout(self) -> None:
         """The run's layout, model and directory, once (rank 0)."""
-        d = self.dims
-        print0(
-            f"[miles] world {self.world_size} = dp {d.dp} x sp {d.sp} (ulysses {d.ulysses} x ring {d.ring}); "
-            f"model {self.model.path} ({len(self.model.transformers)} expert(s), "
-            f"{self.model.num_attention_heads} heads); {self.num_tokens} tokens/sample "
-            f"({-(-self.num_tokens // d.sp)} per sp rank); attention backend "
-            f"{self.attention_backend or 'default'}; run dir {self.run_dir}"
-        )
+        print0(layout_line(self))
 
     def _group_sampler(self) -> GroupSampler:
         """This dp rank's prompt groups, drawn alike on every rank (``miles.data.prompts``)."""
@@ -207,6 +195,8 @@ class Trainer:
             eps=cfg.adam_eps,
             weight_decay=cfg.weight_decay,
         )
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg)  # None: a constant lr
+        self.guard = build_guard(self.cfg)  # train.guard: reward hacking on the held-out set
         self._saved_step = -1
         self._eval_step = -1
         self.step = 0  # optimizer steps taken
@@ -234,6 +224,7 @@ class Trainer:
             project=cfg.run.wandb_project,
             name=cfg.run.name,
             enabled=self.rank == 0,
+            tensorboard=cfg.run.tensorboard,
         )
         if self.rank == 0:
             (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
@@ -310,17 +301,20 @@ class Trainer:
             canary = sums.pop("log_prob_mean_abs_diff", None)
             if not self._all_finite(sums["loss"]):
                 raise NonFiniteError(f"the loss is NaN or inf at step {self.step + 1}")
-            _maybe_inject_fault(self.rank, self.step + 1)
+            maybe_inject_fault(self.rank, self.step + 1)
             grad_norm = self._clip_grad_norm()
             if not math.isfinite(grad_norm):  # the same on every rank: all stop together
                 self.optimizer.zero_grad(set_to_none=True)
                 raise NonFiniteError(f"the gradient norm is NaN or inf at step {self.step + 1}")
+            lr = current_lr(self.optimizer)
             self.optimizer.step()
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
             if self.ema is not None:
                 self.ema.update()
             self.optimizer.zero_grad(set_to_none=True)
             self.step += 1
-            row = {**sums, "grad_norm": grad_norm}
+            row = {**sums, "grad_norm": grad_norm, "lr": lr}
             if m == 0 and canary is not None:
                 # The first step of a rollout runs with exactly the weights that sampled it.
                 row["log_prob_mean_abs_diff"] = canary
@@ -374,6 +368,7 @@ class Trainer:
             "sp": self.dims.sp,
             "config": to_dict(self.cfg),
             "model_fingerprint": self.model_fingerprint,
+            **extra_state(self.lr_scheduler, self.algorithm, self.guard),
         }
 
     def save(self) -> None:
@@ -413,6 +408,7 @@ class Trainer:
             self.old_policy.soft_update(0.0)
         self.step, self.rollout_index = state["step"], state["rollout_index"]
         self.sampler.load_state_dict(state["sampler"])
+        load_extra_state(state, self.lr_scheduler, self.algorithm, self.guard)
         self.logger.truncate_after(self.step)
         self._saved_step = self.step
         print0(
@@ -436,8 +432,8 @@ class Trainer:
         with self.stop:
             if self.rollout_index == 0:
                 self.evaluate()  # the baseline
-            while self.rollout_index < cfg.train.num_rollouts and not self.stop.requested():
-                if not self._iteration():
+            while self.rollout_index < cfg.train.num_rollouts and not self.guard.stopped:
+                if self.stop.requested() or not self._iteration():
                     break
                 bar.update(1)
                 if cfg.eval.every and self.rollout_index % cfg.eval.every == 0:
@@ -556,6 +552,7 @@ class Trainer:
         self.logger.log_eval(metrics, step=self.step, grid=grid, caption=caption)
         self._eval_step = self.step
         print0(eval_line(self.step, metrics, len(result["prompts"])))
+        react(self.guard, self.step, metrics, self.algorithm, self.cfg.train, self.run_dir, print0)
 
     def _log(
         self,
@@ -568,6 +565,7 @@ class Trainer:
         t_train: float,
     ) -> None:
         rewards = scores.reward_all
+        self.guard.train_reward(float(rewards.mean()))
         forwards = self.algorithm.forwards_per_sample(batch)
         samples = rewards.numel()
         metrics = {
