@@ -535,8 +535,8 @@ RANGES: dict[str, tuple[str, str]] = {
     "data.group_size": ("[2, 4096]", "GRPO normalises within a group"),
     "data.max_sequence_length": ("[1, 4096]", "text tokens fed to the text encoder; Wan uses 512"),
     "rollout.num_frames": ("[1, 4097]", "4k+1 frames: 1, 5, 9, ... 81"),
-    "rollout.height": ("(0, 8192]", "pixels, a multiple of 16"),
-    "rollout.width": ("(0, 8192]", "pixels, a multiple of 16"),
+    "rollout.height": ("(0, 4096]", "pixels, a multiple of 16"),
+    "rollout.width": ("(0, 4096]", "pixels, a multiple of 16"),
     "rollout.num_steps": ("[2, 1000]", "the scheduler has 1000 timesteps"),
     "rollout.shift": ("(0, 100]", "Wan uses 3.0 at 480p, 5.0 at 720p"),
     "rollout.guidance_scale": ("[0, 100]", "<= 1 turns CFG off; Wan uses 5"),
@@ -659,7 +659,7 @@ def check_ranges(cfg: Config) -> None:
 
 
 def _range_message(name: str, value: float, rule: str, why: str) -> str:
-    """``KEY must be > 0 (why), got V; its range is (0, 8192]``: the side that failed, then the range."""
+    """``KEY must be > 0 (why), got V; its range is (0, 4096]``: the side that failed, then the range."""
     lo, hi, lo_in, hi_in = _interval(rule)
     lo_text, hi_text = (x.strip() for x in rule[1:-1].split(","))
     if value < lo or (value == lo and not lo_in):
@@ -1102,6 +1102,8 @@ Launcher options (read before the configuration options below):
 """
 
 _REWARD_WEIGHT_FLAG = "--reward.weights."
+MAX_WORLD_SIZE = 65536
+"""The largest ``--world-size`` a dry run plans for (its plan lists every rank's groups)."""
 
 
 def _pop_reward_weights(args: list[str]) -> tuple[list[str], dict[str, float]]:
@@ -1166,6 +1168,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
     pre.add_argument("--dry-run", action="store_true")
     pre.add_argument("--world-size", type=int, default=None)
     opts, rest = pre.parse_known_args(argv)
+    if opts.world_size is not None and not 1 <= opts.world_size <= MAX_WORLD_SIZE:
+        raise ConfigError(
+            f"--world-size must be in [1, {MAX_WORLD_SIZE}] ranks, got {_shown(opts.world_size)}"
+        )
     default = load_config_file(opts.config) if opts.config else Config()
     rest, weights = _pop_reward_weights(rest)
     if weights:

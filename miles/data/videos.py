@@ -86,6 +86,10 @@ def read_video_jsonl(path: str | Path) -> list[VideoItem]:
     """Every item of the JSONL at ``path`` (blank lines skipped, as ``load_prompts`` skips them);
     ValueError naming the file and line for bad JSON, a missing key, or a video that is missing."""
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(
+            f"video JSONL {path} is a directory: give a .jsonl file of {{'video': ..., 'prompt': ...}}"
+        )
     if not path.is_file():
         raise FileNotFoundError(f"video JSONL not found: {path}")
     if path.suffix.lower() != ".jsonl":

@@ -50,7 +50,8 @@ def resident_bytes(rewards: Sequence[Reward], device: torch.device | str) -> int
 
 
 def check_videos(videos: torch.Tensor, prompts: Sequence[str]) -> None:
-    """Raise ``ValueError`` unless ``videos`` is (B, F, 3, H, W) floating point with B prompts."""
+    """Raise ``ValueError`` unless ``videos`` is (B, F, 3, H, W) floating point, none of B, F, H, W 0,
+    with B prompts."""
     if not isinstance(videos, torch.Tensor) or videos.ndim != 5 or not videos.is_floating_point():
         got = tuple(videos.shape) if isinstance(videos, torch.Tensor) else type(videos).__name__
         raise ValueError(
@@ -59,6 +60,11 @@ def check_videos(videos: torch.Tensor, prompts: Sequence[str]) -> None:
     if videos.shape[2] != 3:
         raise ValueError(
             f"rewards expect RGB frames (C=3 at dim 2 of (B, F, C, H, W)); got shape {tuple(videos.shape)}"
+        )
+    if 0 in videos.shape:
+        raise ValueError(
+            f"rewards expect at least one video of at least one frame of at least 1x1 pixels; got shape "
+            f"{tuple(videos.shape)}"
         )
     if isinstance(prompts, str) or len(prompts) != videos.shape[0]:
         n = "a str" if isinstance(prompts, str) else len(prompts)
