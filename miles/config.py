@@ -35,7 +35,7 @@ from miles.algorithms import (
     algorithm_names,
     algorithm_option_classes,
 )
-from miles.config_cli import LAUNCHER_HELP, cli_registry, pop_reward_weights
+from miles.config_cli import LAUNCHER_HELP, check_world_size, cli_registry, pop_reward_weights
 from miles.config_load import ConfigError, check_ranges, check_rules, load_recipe, numeric_fields
 from miles.rewards import reward_option_classes  # the rewards register themselves and their options
 from miles.rewards.from_config import check_reward_names as reward_name_check
@@ -386,6 +386,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
     pre.add_argument("--dry-run", action="store_true")
     pre.add_argument("--world-size", type=int, default=None)
     opts, rest = pre.parse_known_args(argv)
+    check_world_size(opts.world_size)
     default = load_config_file(opts.config) if opts.config else Config()
     rest, weights = pop_reward_weights(rest)
     if weights:
