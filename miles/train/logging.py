@@ -12,6 +12,7 @@ import math
 import secrets
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -53,7 +54,18 @@ def wandb_run_id(run_dir: Path) -> str:
 class MetricsLogger:
     """Per-step metrics to ``metrics.jsonl`` in the run directory and to wandb (rank 0 only)."""
 
-    def __init__(self, run_dir: Path, config: dict, mode: str, project: str, name: str, enabled: bool):
+    def __init__(
+        self,
+        run_dir: Path,
+        config: dict,
+        mode: str,
+        project: str,
+        name: str,
+        enabled: bool,
+        secrets: Sequence[str] = (),
+    ):
+        """``config``: as saved (its secrets already redacted); ``secrets``: values kept out of the
+        command line wandb records in its run metadata."""
         self.enabled = enabled
         self.run_dir = Path(run_dir)
         self._wandb = None
@@ -64,15 +76,18 @@ class MetricsLogger:
         if mode != "disabled":
             import wandb
 
-            self._wandb = wandb.init(
-                project=project,
-                name=name,
-                dir=str(self.run_dir),
-                mode=mode,
-                config=config,
-                id=wandb_run_id(self.run_dir),
-                resume="allow",
-            )
+            from miles.train.redact import argv_redacted
+
+            with argv_redacted(secrets):  # wandb keeps sys.argv in its run files
+                self._wandb = wandb.init(
+                    project=project,
+                    name=name,
+                    dir=str(self.run_dir),
+                    mode=mode,
+                    config=config,
+                    id=wandb_run_id(self.run_dir),
+                    resume="allow",
+                )
 
     def truncate_after(self, step: int) -> None:
         """Drop rows logged after ``step`` (a resumed run repeats those steps), evaluations too."""

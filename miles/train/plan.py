@@ -338,7 +338,7 @@ def _check_inputs(
         found["fingerprint"] = model_fingerprint(model_path)
 
     errors = collect_errors(
-        lambda: check_run_dir(run_dir, cfg.train.resume, cfg.train.overwrite),
+        lambda: check_run_dir(run_dir, cfg.train.resume, cfg.train.overwrite, Path(cfg.run.output_dir)),
         resume,
         fingerprint,
         lambda: prompts.extend(load_prompts(prompt_file)),
