@@ -127,7 +127,9 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
 def load_checkpoint_state(state: dict, path: Path, **kwargs) -> None:
     """``dcp.load`` of ``state`` from the checkpoint at ``path``, reading only data (``SafeReader``,
-    ``SafeLoadPlanner``); ``kwargs`` go to ``dcp.load`` (e.g. ``no_dist``)."""
+    ``SafeLoadPlanner``); ``kwargs`` go to ``dcp.load`` (e.g. ``no_dist``). A refused index raises
+    :class:`MetadataRefused` here, before DCP (which would log it and try per-rank metadata)."""
+    read_dcp_metadata(path)
     dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner(), **kwargs)
 
 

@@ -20,7 +20,7 @@ refused on resume, in the plan, before the model loads. Checkpoints saved before
 existed are not checked for them.
 
 Nothing of a checkpoint is parsed before its bytes are checked against its ``SHA256SUMS``
-(:func:`shared_problem`); a checkpoint without one is damaged (this version always writes it).
+(:func:`shared_digest_problem`); a checkpoint without one is damaged (this version always writes it).
 """
 
 from __future__ import annotations
@@ -130,37 +130,47 @@ def check_resume_config(path: Path, saved: dict, cfg: Config) -> None:
         )
 
 
-def shared_problem(path: Path) -> str | None:
-    """What is wrong with the checkpoint at ``path`` (None: nothing), the same on every rank: first the
-    sha256 of every file against its ``SHA256SUMS`` (each rank hashing its share of the files when
-    torch.distributed is initialised; nothing of the checkpoint is parsed before every rank agrees its
-    bytes are as saved), then file sizes and the DCP index (read as data only)."""
+def shared_digest_problem(path: Path) -> str | None:
+    """Whether the checkpoint's files have the sha256 its ``SHA256SUMS`` recorded (None: they do), the
+    same on every rank: each rank hashes its share of the files when torch.distributed is initialised
+    and they agree by a gather, so no rank parses a file of it before every file was checked."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        problem = digest_problem(path)
-    else:
-        found = [None] * dist.get_world_size()
-        dist.all_gather_object(found, digest_problem(path, dist.get_rank(), dist.get_world_size()))
-        problem = next((p for p in found if p is not None), None)
-    return problem if problem is not None else checkpoint_problem(path)
+        return digest_problem(path)
+    found = [None] * dist.get_world_size()
+    dist.all_gather_object(found, digest_problem(path, dist.get_rank(), dist.get_world_size()))
+    return next((p for p in found if p is not None), None)
+
+
+def _check_saved_with(path: Path, cfg: Config, fingerprint: dict | None) -> dict | None:
+    """Refuse to resume ``path`` unless it was saved with this config, model folder (``fingerprint``,
+    computed here when None and needed) and prompt file; returns this launch's model fingerprint.
+    Reads its ``trainer.json``: call it once the checkpoint's bytes are known to be as saved."""
+    saved = json.loads((path / "trainer.json").read_text())
+    check_resume_config(path, saved.get("config", {}), cfg)
+    if saved.get("model_fingerprint"):
+        fingerprint = fingerprint or current_fingerprint(cfg)
+        check_base_model(path, saved["model_fingerprint"], fingerprint)
+    check_prompt_file(path, saved.get("prompt_fingerprint"), cfg)
+    return fingerprint
 
 
 def resume_checkpoint(run_dir: Path, cfg: Config) -> Path | None:
     """The checkpoint to resume from (None: none saved yet): the newest one whose bytes match their
     saved sha256 and whose files are whole (collective under torch.distributed); a damaged one is
     named in a warning and the previous one tried. The one it picks must have been saved with this
-    config, model folder and prompt file (each refused otherwise); its ``trainer.json`` is read only
-    after its sha256 was checked."""
+    config, model folder and prompt file (each refused otherwise, before its index is parsed); no file
+    of a checkpoint is parsed before its sha256 was checked."""
     bad = []
     fingerprint: dict | None = None
     for path in reversed(list_checkpoints(run_dir)):
-        problem = shared_problem(path)
+        problem = shared_digest_problem(path)
+        if problem is None:  # its bytes are as saved: its trainer.json, then its index, may be read
+            try:
+                fingerprint = _check_saved_with(path, cfg, fingerprint)
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+                problem = f"its trainer.json cannot be read ({type(e).__name__}: {e})"
+            problem = problem or checkpoint_problem(path)
         if problem is None:
-            saved = json.loads((path / "trainer.json").read_text())  # its bytes are the saved ones
-            check_resume_config(path, saved.get("config", {}), cfg)
-            if saved.get("model_fingerprint"):
-                fingerprint = fingerprint or current_fingerprint(cfg)
-                check_base_model(path, saved["model_fingerprint"], fingerprint)
-            check_prompt_file(path, saved.get("prompt_fingerprint"), cfg)
             return path
         bad.append(path)
         print0(
