@@ -129,8 +129,21 @@ def load_checkpoint_state(state: dict, path: Path, **kwargs) -> None:
     """``dcp.load`` of ``state`` from the checkpoint at ``path``, reading only data (``SafeReader``,
     ``SafeLoadPlanner``); ``kwargs`` go to ``dcp.load`` (e.g. ``no_dist``). A refused index raises
     :class:`MetadataRefused` here, before DCP (which would log it and try per-rank metadata)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     read_dcp_metadata(path)
-    dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner(), **kwargs)
+    try:
+        dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner(), **kwargs)
+    except CheckpointException as e:  # DCP gathers every rank's failure
+        refused = [exc for exc, _ in e.failures.values() if isinstance(exc, pickle.UnpicklingError)]
+        if not refused:
+            raise
+        reason = next((line for line in str(refused[0]).splitlines() if "Unsupported global" in line), "")
+        raise ValueError(
+            f"the checkpoint {path} is refused: a value stored in its shards is not plain data "
+            f"({reason.strip() or type(refused[0]).__name__}); nothing of it was run. Delete this "
+            "checkpoint, or restore it from a trusted copy"
+        ) from None
 
 
 def file_sha256(path: Path) -> str:

@@ -149,7 +149,7 @@ def test_a_lock_file_that_cannot_be_used_is_a_refusal_naming_the_fix(tmp_path, m
         lambda: check_run_dir(run_dir, resume=True, overwrite=False),
         lambda: RunDirLock(run_dir),
     ):
-        with pytest.raises(ValueError, match=rf"lock file {run_dir / LOCK_NAME} cannot be used .* rmdir"):
+        with pytest.raises(ValueError, match=rf"lock file {run_dir / LOCK_NAME} cannot be used .*rmdir"):
             attempt()
     (run_dir / LOCK_NAME).rmdir()
 
