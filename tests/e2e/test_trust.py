@@ -22,6 +22,7 @@ Three launches and a dry run, about 70 s on 2 cores.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -55,6 +56,11 @@ def _cmd(root: Path, *flags: str) -> list[str]:
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
 CLI_TOKEN, ENV_TOKEN = "cli-secret-7d41e9", "env-secret-0b86c2"
+
+
+def _kill_group(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):  # gone already
+        os.killpg(pid, signal.SIGKILL)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -116,7 +122,7 @@ def test_changed_bytes_fall_back_and_a_second_launch_is_refused(tmp_path):
         _cmd(tmp_path, "--train.num-rollouts", "1000"),
         cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )  # fmt: skip
-    timer = threading.Timer(400, os.killpg, (second.pid, signal.SIGKILL))
+    timer = threading.Timer(400, _kill_group, (second.pid,))
     timer.start()
     lines = []
     try:
@@ -135,10 +141,10 @@ def test_changed_bytes_fall_back_and_a_second_launch_is_refused(tmp_path):
         # A scheduler kills torchrun's process group: the worker (in its own session) must stop.
         worker = json.loads((run_dir / ".launch.lock").read_text())["pid"]
         assert worker != second.pid and _pid_alive(worker)
-        os.killpg(second.pid, signal.SIGKILL)
+        _kill_group(second.pid)
         second.wait()
         killed_at = time.monotonic()
-        reaper = threading.Timer(90, os.kill, (worker, signal.SIGKILL))  # an orphan that trains on
+        reaper = threading.Timer(90, _kill_group, (worker,))  # an orphan that trains on
         reaper.start()
         rest = second.stdout.read()  # until the worker, the pipe's last writer, has exited
         reaper.cancel()
@@ -146,11 +152,11 @@ def test_changed_bytes_fall_back_and_a_second_launch_is_refused(tmp_path):
             time.sleep(0.2)
         stopped_after = time.monotonic() - killed_at
     finally:
-        os.killpg(second.pid, signal.SIGKILL)
+        _kill_group(second.pid)
         second.wait()
         timer.cancel()
         if "worker" in locals() and _pid_alive(worker):
-            os.kill(worker, signal.SIGKILL)
+            _kill_group(worker)  # its own session: the orphan and anything it started
     assert stopped_after < 60 and not _pid_alive(worker), (stopped_after, rest)
     assert "its launcher (pid" in rest and "is gone; stopping" in rest, rest
     assert "[miles] SIGTERM received" in rest, rest

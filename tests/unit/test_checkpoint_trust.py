@@ -40,7 +40,7 @@ from miles.train.checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
-from miles.train.resume import prompt_fingerprint, resume_checkpoint
+from miles.train.resume import resume_checkpoint
 from tests.dist_utils import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -113,11 +113,11 @@ def test_a_planted_metadata_pickle_never_runs(tmp_path, one_rank, capsys):
 
 def test_a_planted_value_in_a_shard_never_runs(tmp_path, one_rank):
     """An optimizer hyperparameter is a pickled value inside a shard: it is read weights_only."""
-    from miles.files import read_dcp_metadata
+    import torch.distributed.checkpoint as dcp
 
     model, opt, ckpts = _save_two(tmp_path / "run", {"config": {}})
     path = ckpts / "step_000002"
-    meta = read_dcp_metadata(path)
+    meta = dcp.FileSystemReader(str(path)).read_metadata()  # this test's own file: trusted
     index = next(i for i in meta.storage_data if i.fqn == "optim.param_groups.0.lr")
     info = meta.storage_data[index]
     shard = path / info.relative_path
@@ -216,6 +216,8 @@ def test_dry_run_and_startup_refuse_a_planted_pickle_and_an_edited_prompt_file(t
 
     # A (valid) checkpoint saved with the prompt file's sha256, then the file edited: refused by name.
     import shutil
+
+    from miles.train.resume import prompt_fingerprint
 
     shutil.rmtree(ckpt)
     saved_fp = prompt_fingerprint(parse_args(argv)[0])

@@ -287,3 +287,27 @@ def test_a_launch_that_passed_its_probe_as_another_took_the_lock_is_refused_befo
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_wandb_run_files_hold_no_secret(tmp_path, monkeypatch):
+    """wandb keeps sys.argv in its run metadata: it sees the redacted command, the real one is restored."""
+    import sys
+
+    from miles.train.logging import MetricsLogger
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("MILES_REWARD_TOKEN", "env-token-77aa")
+    argv = ["train_grpo.py", "--reward.remote.token", "cli-token-31bd", "--note=env-token-77aa"]
+    monkeypatch.setattr(sys, "argv", argv)
+    secrets = ["cli-token-31bd", "env-token-77aa"]
+    logger = MetricsLogger(
+        tmp_path, {}, mode="offline", project="miles", name="x", enabled=True, secrets=secrets
+    )
+    logger.log({"loss": 1.0}, step=1)
+    logger.close()
+    assert sys.argv == argv
+    files = [p for p in (tmp_path / "wandb").rglob("*") if p.is_file()]
+    assert any(p.suffix == ".wandb" for p in files), files
+    assert any(b"<redacted>" in p.read_bytes() for p in files)  # the command was recorded, redacted
+    for path in files:
+        assert not any(s.encode() in path.read_bytes() for s in secrets), path
