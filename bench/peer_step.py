@@ -1,7 +1,7 @@
-"""flow_grpo's own Wan GRPO step beside miles' at a real shape, one after the other on one GPU (issue 35).
+"""flow_grpo's own Wan GRPO step beside miles' at a real shape, one after the other on one GPU (issues 35, 43).
 
     python bench/peer_step.py --flow-grpo .cache/peers/flow_grpo --out OUT            # 1.3B, 81x480x832
-    python bench/peer_step.py --flow-grpo .cache/peers/flow_grpo --out OUT --fit 81 121 161 201
+    python bench/peer_step.py --flow-grpo .cache/peers/flow_grpo --out OUT --train lora --fit 81 121 161 201
     python bench/peer_step.py --flow-grpo .cache/peers/flow_grpo --out OUT --model tiny \\
         --shape 5 64 64 --num-steps 4 --text-tokens 16 --steps 2                      # CPU, seconds
 
@@ -9,22 +9,26 @@ flow_grpo's code stays in its checkout (``--flow-grpo``, as ``bench/peer_learnin
 its ``wan_pipeline_with_logprob`` sampler, ``compute_log_prob`` read from ``scripts/train_wan2_1.py``,
 the clipped loss of its training loop as ``peer_learning.train_rollout`` writes it out). Its step is
 set up as its script sets it up: diffusers eager (no compile), the transformer in fp32 under bf16
-autocast, ``enable_gradient_checkpointing()``, the VAE in fp32, LoRA r 32 / alpha 64 on its eight
-target modules (``--full``: every weight trained), AdamW; CFG ``--guidance`` with its ``train.cfg``;
-every denoising step is its SDE step and ``⌊timestep_fraction · T⌋`` of them are trained — set to
-``--train-steps`` of the ``--num-steps`` (miles' SDE window). The model is the real config with random
-weights (``bench/real_configs.py``), random text embeddings of ``--text-tokens`` stand in for UMT5's
-(no text encoder on either side's clock: miles caches them too), the samples are decoded by the
-pipeline (``output_type="pt"``) and scored by miles' ``jpeg_incompressibility``, so the phases match
-``bench/step_bench.py``'s: rollout (flow_grpo: sampling), decode + reward, train (all the trained
-steps of the rollout, one optimizer step).
+autocast, ``enable_gradient_checkpointing()``, the VAE in fp32, AdamW; CFG ``--guidance`` with its
+``train.cfg``; every denoising step is its SDE step and ``⌊timestep_fraction · T⌋`` of them are
+trained — set to ``--train-steps`` of the ``--num-steps`` (miles' SDE window). The model is the real
+config with random weights (``bench/real_configs.py``), random text embeddings of ``--text-tokens``
+stand in for UMT5's (no text encoder on either side's clock: miles caches them too), the samples are
+decoded by the pipeline (``output_type="pt"``) and scored by miles' ``jpeg_incompressibility``, so
+the phases match ``bench/step_bench.py``'s: rollout (flow_grpo: sampling), decode + reward, train
+(all the trained steps of the rollout, one optimizer step).
 
-Then ``bench/step_bench.py`` runs miles' step at the same shape, samples, steps, SDE window, guidance
-and reward (``--rewards jpeg``, its own process: LoRA, compiled, cudnn attention, FSDP2). ``--fit``:
-each frame count at ``--shape``'s size, both trainers, each in a process of its own capped at 80 and
-at 141 GiB (``torch.cuda.set_per_process_memory_fraction``; miles also gets the cap as its activation
-budget): the largest that completes one step. Writes ``peer_step.json`` (after every case) and
-``peer_step.md`` to ``--out``.
+Like for like (``--train``, default ``both``): ``lora`` trains LoRA r 32 / alpha 64 on flow_grpo's
+eight target modules on BOTH sides, ``full`` every weight on both sides; ``both`` runs each and
+reports each ratio. miles' side is ``bench/step_bench.py`` in its own process (``--rewards jpeg``;
+compiled, cudnn attention, FSDP2) given every setting the sides share as a flag (``ours_command``:
+shape, samples, denoising and trained steps, guidance, shift, text tokens, micro-batch, LoRA
+rank/alpha/targets) rather than relying on equal defaults; its JSON records them. ``--fit``: each
+frame count at ``--shape``'s size, at the first ``--train`` setting, both trainers each in a process
+of its own capped alike at 80 and at 141 GiB (``MILES_BENCH_MEMORY_CAP_GIB`` →
+``torch.cuda.set_per_process_memory_fraction`` in each process, ``step_bench.cap_process_memory``;
+miles also gets the cap as its activation budget): the largest that completes one step. Writes
+``peer_step.json`` (after every case) and ``peer_step.md`` (drawn from that JSON alone) to ``--out``.
 """
 
 from __future__ import annotations
@@ -44,8 +48,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.peer_learning import load_peer, peer_config, rollout_record, train_rollout  # noqa: E402
+from bench.step_bench import cap_process_memory  # noqa: E402
 
 LORA_TARGETS = ["add_k_proj", "add_q_proj", "add_v_proj", "to_add_out", "to_k", "to_out.0", "to_q", "to_v"]
+LORA_RANK, LORA_ALPHA = 32, 64.0  # flow_grpo's Wan script: r 32, alpha 64
 CAPS_GIB = (80.0, 141.0)
 
 
@@ -75,7 +81,9 @@ def build_pipeline(args, device: torch.device):
     vae.requires_grad_(False)
     transformer.requires_grad_(args.full)
     if not args.full:
-        lora = LoraConfig(r=32, lora_alpha=64, init_lora_weights="gaussian", target_modules=LORA_TARGETS)
+        lora = LoraConfig(
+            r=LORA_RANK, lora_alpha=LORA_ALPHA, init_lora_weights="gaussian", target_modules=LORA_TARGETS
+        )
         transformer = get_peft_model(transformer, lora)
     transformer.enable_gradient_checkpointing()
     scheduler = FlowMatchEulerDiscreteScheduler(shift=args.shift)
@@ -204,73 +212,126 @@ def step_flops(args, tokens: int) -> dict:
     }
 
 
-def ours(args, out: Path, shape: list[int], budget: float, extra_env: dict | None = None) -> dict | None:
-    """miles' step through ``bench/step_bench.py`` (its own process); its jpeg.json, or None."""
+def ours_command(args, out: Path, shape: list[int], budget: float, full: bool) -> list[str]:
+    """``bench/step_bench.py``'s command line for miles' side: every setting the two sides share is
+    passed (shape, denoising and trained steps, samples, guidance, shift, text tokens, micro-batch,
+    LoRA rank/alpha/targets or full), none left to equal defaults."""
     cmd = [sys.executable, str(ROOT / "bench" / "step_bench.py"), "--out", str(out), "--model", args.model]
     cmd += ["--shape", *map(str, shape), "--num-steps", str(args.num_steps), "--samples", str(args.samples)]
     cmd += ["--sde-window", str(args.train_steps), "--rollouts", str(args.steps), "--budget-gib", str(budget)]
-    cmd += ["--rewards", "jpeg"]
-    rc = subprocess.run(cmd, env={**os.environ, **(extra_env or {}), "PYTHONUNBUFFERED": "1"}).returncode
+    cmd += ["--rewards", "jpeg", "--guidance", str(args.guidance), "--shift", str(args.shift)]
+    cmd += ["--text-tokens", str(args.text_tokens), "--micro-batch", str(args.micro_batch)]
+    cmd += ["--lora-rank", "0" if full else str(LORA_RANK), "--lora-alpha", str(LORA_ALPHA)]
+    return cmd + ["--lora-targets", *LORA_TARGETS]
+
+
+def ours(
+    args, out: Path, shape: list[int], budget: float, full: bool, cap: float | None = None
+) -> dict | None:
+    """miles' step through ``bench/step_bench.py`` (its own process, capped at ``cap`` GiB as the
+    peer's is); its jpeg.json, or None."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("MILES_BENCH_MEMORY_CAP_GIB", None)
+    if cap is not None:
+        env["MILES_BENCH_MEMORY_CAP_GIB"] = f"{cap:g}"
+    rc = subprocess.run(ours_command(args, out, shape, budget, full), env=env).returncode
     return json.loads((out / "jpeg.json").read_text()) if rc == 0 else None
 
 
 def fit(args, results: dict) -> None:
     """The largest frame count of ``--fit`` each trainer completes a step at, per memory cap (False:
-    not even the first)."""
-    results["fit"] = {}
+    not even the first), at the first of ``--train``'s settings (LoRA where it is run). Each case is
+    a process of its own, capped alike on both sides (``MILES_BENCH_MEMORY_CAP_GIB``)."""
+    setting = settings(args)[0]
+    results["fit"] = {"train": setting}
     for cap in CAPS_GIB:
         row = results["fit"][f"{cap:g}"] = {"flow_grpo": False, "miles": False}
         failed: set[str] = set()
         for frames in args.fit:  # ascending: a trainer that failed is not tried at more frames
-            shape, env = [frames, *args.shape[1:]], {"MILES_BENCH_MEMORY_CAP_GIB": f"{cap:g}"}
+            shape = [frames, *args.shape[1:]]
             ok_peer = ok_ours = False
             if "flow_grpo" not in failed:
-                cmd = [sys.executable, __file__, *sys.argv[1:], "--one-peer", *map(str, shape)]
-                ok_peer = subprocess.run(cmd, env={**os.environ, **env}).returncode == 0
+                cmd = [
+                    sys.executable,
+                    __file__,
+                    *sys.argv[1:],
+                    "--train",
+                    setting,
+                    "--one-peer",
+                    *map(str, shape),
+                ]
+                env = {**os.environ, "MILES_BENCH_MEMORY_CAP_GIB": f"{cap:g}"}
+                ok_peer = subprocess.run(cmd, env=env).returncode == 0
                 row["flow_grpo"] = frames if ok_peer else row["flow_grpo"]
                 failed |= set() if ok_peer else {"flow_grpo"}
             if "miles" not in failed:
-                r = ours(args, args.out / f"fit_{cap:g}_{frames}", shape, cap, env)
+                r = ours(
+                    args, args.out / f"fit_{setting}_{cap:g}_{frames}", shape, cap, setting == "full", cap
+                )
                 ok_ours = r is not None and (r["summary"]["peak_gib"] or 0) <= cap
                 row["miles"] = frames if ok_ours else row["miles"]
                 failed |= set() if ok_ours else {"miles"}
             print(
-                f"[peer-step] fit {cap:g} GiB, {frames} frames: flow_grpo {ok_peer}, miles {ok_ours}",
+                f"[peer-step] fit {setting} {cap:g} GiB, {frames} frames: flow_grpo {ok_peer}, miles {ok_ours}",
                 flush=True,
             )
             (args.out / "peer_step.json").write_text(json.dumps(results, indent=1))
 
 
+def settings(args) -> list[str]:
+    """``--train``'s settings in the order they run: LoRA against LoRA, full against full."""
+    return ["lora", "full"] if args.train == "both" else [args.train]
+
+
+def ratio(side: dict) -> float | None:
+    """flow_grpo's step time over miles' at one setting, both read from this JSON (None: no miles)."""
+    o = side.get("miles")
+    return side["flow_grpo"]["step_s"] / o["summary"]["step"]["wall_s"] if o else None
+
+
 def markdown(results: dict) -> str:
-    p, o = results["flow_grpo"], results.get("miles")
     a = results["args"]
     lines = [
         f"{a['model']}, {a['shape'][0]}x{a['shape'][1]}x{a['shape'][2]} ({results['flops']['tokens']} tokens), "
         f"{a['samples']} samples, {a['num_steps']} steps, {a['train_steps']} trained, CFG {a['guidance']:g}, "
-        f"on {results['device']}",
+        f"shift {a['shift']:g}, {a['text_tokens']} text tokens, micro-batch {a['micro_batch']}, on {results['device']}",
         "",
-        "| trainer | rollout s (TFLOP/s) | decode + reward s | train s (TFLOP/s) | step s | peak GiB |",
-        "| --- | ---: | ---: | ---: | ---: | ---: |",
-        f"| flow_grpo | {p['rollout_s']:.2f} ({p['rollout_tflops']:.0f}) | {p['reward_s']:.2f} | "
-        f"{p['train_s']:.2f} ({p['train_tflops']:.0f}) | {p['step_s']:.2f} | {p['peak_gib'] or 0:.1f} |",
+        "| train | trainer | trainable params | rollout s (TFLOP/s) | decode + reward s | train s (TFLOP/s) | step s | peak GiB |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    if o:
-        ph = o["summary"]["phases"]
+    for setting in ("lora", "full"):
+        if setting not in results:
+            continue
+        p, o = results[setting]["flow_grpo"], results[setting].get("miles")
         lines.append(
-            f"| miles | {ph['rollout']['wall_s']:.2f} ({ph['rollout']['tflops']:.0f}) | "
-            f"{ph['decode+reward']['wall_s']:.2f} | {ph['train']['wall_s']:.2f} ({ph['train']['tflops']:.0f}) | "
-            f"{o['summary']['step']['wall_s']:.2f} | {o['summary']['peak_gib'] or 0:.1f} |"
+            f"| {setting} | flow_grpo | {p['trainable_params']:,} | {p['rollout_s']:.2f} ({p['rollout_tflops']:.0f}) | "
+            f"{p['reward_s']:.2f} | {p['train_s']:.2f} ({p['train_tflops']:.0f}) | {p['step_s']:.2f} | "
+            f"{p['peak_gib'] or 0:.1f} |"
         )
-        lines += [
-            "",
-            f"miles' step is {p['step_s'] / o['summary']['step']['wall_s']:.2f}x faster than flow_grpo's.",
-        ]
-    for cap, row in results.get("fit", {}).items():
-        lines.append(f"Largest frame count in {cap} GiB: flow_grpo {row['flow_grpo']}, miles {row['miles']}.")
+        if o:
+            ph = o["summary"]["phases"]
+            lines.append(
+                f"| {setting} | miles | {o.get('trainable_params') or 0:,} | {ph['rollout']['wall_s']:.2f} "
+                f"({ph['rollout']['tflops']:.0f}) | {ph['decode+reward']['wall_s']:.2f} | "
+                f"{ph['train']['wall_s']:.2f} ({ph['train']['tflops']:.0f}) | {o['summary']['step']['wall_s']:.2f} | "
+                f"{o['summary']['peak_gib'] or 0:.1f} |"
+            )
+    lines.append("")
+    for setting in ("lora", "full"):
+        if setting in results and (r := ratio(results[setting])) is not None:
+            lines.append(
+                f"{setting}: miles' step is {r:.2f}x flow_grpo's speed (the same setting on both sides)."
+            )
+    fits = results.get("fit", {})
+    for cap, row in fits.items():
+        if cap != "train":
+            lines.append(
+                f"Largest frame count in {cap} GiB ({fits['train']}): flow_grpo {row['flow_grpo']}, miles {row['miles']}."
+            )
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
         "--flow-grpo", type=Path, required=True, help="a flow_grpo checkout (scripts/train_wan2_1.py)"
@@ -281,24 +342,31 @@ def main() -> None:
     ap.add_argument("--num-steps", type=int, default=10)
     ap.add_argument("--train-steps", type=int, default=2, help="trained SDE steps (miles' SDE window)")
     ap.add_argument("--samples", type=int, default=2)
-    ap.add_argument("--micro-batch", type=int, default=1, help="flow_grpo's train batch size")
+    ap.add_argument("--micro-batch", type=int, default=1, help="the train micro-batch, both sides")
     ap.add_argument("--guidance", type=float, default=5.0)
     ap.add_argument("--shift", type=float, default=3.0)
     ap.add_argument("--text-tokens", type=int, default=512)
     ap.add_argument("--steps", type=int, default=3, help="GRPO steps per trainer; the first is the warm-up")
-    ap.add_argument("--full", action="store_true", help="flow_grpo full fine-tune instead of LoRA")
+    ap.add_argument(
+        "--train",
+        choices=["lora", "full", "both"],
+        default="both",
+        help="LoRA r 32 on both sides, every weight on both sides, or each in turn",
+    )
     ap.add_argument("--no-ours", action="store_true", help="flow_grpo's step alone")
     ap.add_argument("--fit", type=int, nargs="*", default=[], help="frame counts to try per memory cap")
     ap.add_argument("--one-peer", type=int, nargs=3, default=None, help=argparse.SUPPRESS)  # a --fit case
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.train_steps > args.num_steps:
         raise SystemExit(f"--train-steps {args.train_steps} exceeds --num-steps {args.num_steps}")
-    if cap := os.environ.get("MILES_BENCH_MEMORY_CAP_GIB"):  # a --fit case (both trainers' processes)
-        if torch.cuda.is_available():
-            total = torch.cuda.get_device_properties(0).total_memory / 2**30
-            torch.cuda.set_per_process_memory_fraction(min(1.0, float(cap) / total))
+    return args
+
+
+def main() -> None:
+    args = parse()
+    cap_process_memory()  # a --fit case: this process capped as miles' is (bench/step_bench.py)
     if args.one_peer:
-        args.shape, args.steps = args.one_peer, 1
+        args.shape, args.steps, args.full = args.one_peer, 1, args.train == "full"
         peer_steps(args)
         return
     args.out.mkdir(parents=True, exist_ok=True)
@@ -307,13 +375,18 @@ def main() -> None:
         "args": {k: v for k, v in vars(args).items() if k not in ("flow_grpo", "out")},
         "device": device,
     }
-    peer = peer_steps(args)
-    results["flops"] = step_flops(args, peer["tokens"])
-    results["flow_grpo"] = {**summarize(peer["steps"], results["flops"]), **peer}
-    (args.out / "peer_step.json").write_text(json.dumps(results, indent=1))
-    if not args.no_ours:
-        results["miles"] = ours(args, args.out / "miles", args.shape, 100.0)
+    for setting in settings(args):  # LoRA vs LoRA, full vs full
+        args.full = setting == "full"
+        peer = peer_steps(args)
+        results["flops"] = step_flops(args, peer["tokens"])
+        results[setting] = {"flow_grpo": {**summarize(peer["steps"], results["flops"]), **peer}}
         (args.out / "peer_step.json").write_text(json.dumps(results, indent=1))
+        if not args.no_ours:
+            results[setting]["miles"] = ours(
+                args, args.out / f"miles_{setting}", args.shape, 100.0, args.full
+            )
+            results[setting]["ratio"] = ratio(results[setting])
+            (args.out / "peer_step.json").write_text(json.dumps(results, indent=1))
     if args.fit:
         fit(args, results)
     (args.out / "peer_step.md").write_text(markdown(results))

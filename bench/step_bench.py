@@ -24,7 +24,11 @@ beside the next one's sampling (``rollout.overlap_decode``: the rollout phase th
 decodes, and decode + reward what is left of them); ``--vae-dtype bfloat16`` decodes in bf16
 (``model.vae_dtype``); ``--rollout-precision fp8`` samples the rollouts in float8
 (``rollout.precision``; the train phase then includes the bf16 old log-probs' recompute for the
-micro-batches of later optimizer steps, if any).
+micro-batches of later optimizer steps, if any). ``--guidance``, ``--shift``, ``--text-tokens``,
+``--micro-batch``, ``--lora-rank``/``--lora-alpha``/``--lora-targets`` replace the recipe's values
+(``bench/peer_step.py`` sets each on both sides); ``MILES_BENCH_MEMORY_CAP_GIB`` caps the measuring
+process's CUDA memory (``torch.cuda.set_per_process_memory_fraction``, as the peer's side is capped).
+The JSON records every one of these settings and the trainable parameter count.
 """
 
 from __future__ import annotations
@@ -139,10 +143,41 @@ def build_config(args, reward: str, model_path: Path, clip_path: Path | None):
         "rollout.overlap_decode": args.overlap_decode,
         "model.vae_dtype": args.vae_dtype,
         "parallel.deterministic_mode": args.deterministic_mode,
+        **shared_fields(args),
     }
     if args.model == "tiny":  # the tiny model's text encoder is not UMT5-XXL: shorter prompts
-        fields.update({"data.max_sequence_length": 64, "model.dtype": "float32", "model.compile": "off"})
+        fields.update({"model.dtype": "float32", "model.compile": "off"})
+        fields.setdefault("data.max_sequence_length", 64)
     return set_fields(cfg, fields)
+
+
+def shared_fields(args) -> dict:
+    """The settings a side by side names on both sides (``bench/peer_step.py`` passes each): given
+    ones replace the recipe's, absent ones (None) keep it."""
+    given = {
+        "rollout.guidance_scale": args.guidance,
+        "rollout.shift": args.shift,
+        "data.max_sequence_length": args.text_tokens,
+        "train.micro_batch_size": args.micro_batch,
+        "model.lora_rank": args.lora_rank,
+        "model.lora_alpha": args.lora_alpha,
+        "model.lora_target_modules": args.lora_targets,
+    }
+    return {k: v for k, v in given.items() if v is not None}
+
+
+def cap_process_memory() -> float | None:
+    """``MILES_BENCH_MEMORY_CAP_GIB``: cap this process's CUDA allocations there (both sides of a
+    ``bench/peer_step.py --fit`` case are capped alike, before either allocates); the cap, or None."""
+    cap = os.environ.get("MILES_BENCH_MEMORY_CAP_GIB")
+    if not cap:
+        return None
+    import torch
+
+    if torch.cuda.is_available():
+        total = torch.cuda.get_device_properties(0).total_memory / 2**30
+        torch.cuda.set_per_process_memory_fraction(min(1.0, float(cap) / total))
+    return float(cap)
 
 
 def step_flops(cfg, transformer_config: dict, tokens: int, num_sde_steps: int) -> dict:
@@ -249,6 +284,7 @@ def run_one(args, reward: str) -> dict:
     with probes.phase("init"):
         trainer = Trainer(cfg)
     trainer.train()
+    trainable = sum(p.numel() for p in trainer.experts.parameters() if p.requires_grad)
     trainer.close()
     tokens = trainer.num_tokens
     from miles.rollout.sampler import sde_step_indices
@@ -274,6 +310,15 @@ def run_one(args, reward: str) -> dict:
         "num_sde_steps": num_sde,
         "rollout_precision": cfg.rollout.precision,
         "overlap_decode": cfg.rollout.overlap_decode,
+        "guidance": cfg.rollout.guidance_scale,
+        "shift": cfg.rollout.shift,
+        "text_tokens": cfg.data.max_sequence_length,
+        "micro_batch": cfg.train.micro_batch_size,
+        "lora_rank": cfg.model.lora_rank,
+        "lora_alpha": cfg.model.lora_alpha,
+        "lora_targets": list(cfg.model.lora_target_modules),
+        "trainable_params": trainable,
+        "memory_cap_gib": args.memory_cap_gib,
         "vae_dtype": cfg.model.vae_dtype,
         "deterministic_mode": cfg.parallel.deterministic_mode,
         "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
@@ -310,7 +355,18 @@ def markdown(results: list[dict]) -> str:
     return head + "\n\n" + "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> None:
+def add_shared_args(ap: argparse.ArgumentParser) -> None:
+    """The settings ``bench/peer_step.py`` sets on both sides; unset: the recipe's."""
+    ap.add_argument("--guidance", type=float, default=None, help="rollout.guidance_scale")
+    ap.add_argument("--shift", type=float, default=None, help="rollout.shift")
+    ap.add_argument("--text-tokens", type=int, default=None, help="data.max_sequence_length")
+    ap.add_argument("--micro-batch", type=int, default=None, help="train.micro_batch_size")
+    ap.add_argument("--lora-rank", type=int, default=None, help="model.lora_rank (0: every weight trained)")
+    ap.add_argument("--lora-alpha", type=float, default=None, help="model.lora_alpha")
+    ap.add_argument("--lora-targets", nargs="+", default=None, help="model.lora_target_modules")
+
+
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--work", type=Path, default=None, help="model folders and run dirs (default: OUT/work)")
@@ -336,10 +392,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--vae-dtype", choices=["float32", "bfloat16"], default="float32", help="model.vae_dtype")
     ap.add_argument("--rewards", nargs="+", default=["jpeg", "pickscore"], choices=["jpeg", "pickscore"])
     ap.add_argument("--reward", choices=["jpeg", "pickscore"], help=argparse.SUPPRESS)  # one, in this process
-    args = ap.parse_args(argv)
+    add_shared_args(ap)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
     # As the trainer sets it, but before CUDA starts: the probes touch CUDA before Trainer() does
     # (without it the 1.3B step reserved 101.6 GiB for 93.5 allocated).
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    args.memory_cap_gib = cap_process_memory() if args.reward else None  # the measuring child only
     args.out.mkdir(parents=True, exist_ok=True)
     args.work = args.work or args.out / "work"
     if args.reward:

@@ -510,85 +510,91 @@ class ConfigError(ValueError):
     """A recipe file or flag that cannot be used, with the key it concerns."""
 
 
-# Every numeric field's range: dotted key -> (rule, why). Rules: "any", "> x", ">= x", or an interval
-# "[a, b)" / "(a, b]" / "[a, b]" / "(a, b)". Every number must also be finite (NaN and inf are
-# refused everywhere). A list's items and a mapping's values each follow their field's rule; None
-# (an optional field left unset) is not checked. tests/unit/test_config_ranges.py fails when a numeric
-# field has no row, so a new field cannot skip its check.
+# Every numeric field's range: dotted key -> (rule, why). A rule is an interval "[a, b)" / "(a, b]" /
+# "[a, b]" / "(a, b)", bounded on both sides: the values a real run can use (a setting of 1e30 ends
+# far from its cause: an overflow, a huge allocation, a non-finite loss). Every number must also be
+# finite (NaN and inf are refused everywhere). A list's items and a mapping's values each follow their
+# field's rule; None (an optional field left unset) is not checked. tests/unit/test_config_ranges.py
+# fails when a numeric field has no row, or a row lets a huge value through, so a new field cannot
+# skip its check.
+MAX_STEPS = "1e7"  # rollouts, optimizer steps, intervals counted in them
 RANGES: dict[str, tuple[str, str]] = {
-    "run.seed": (">= 0", ""),
-    "run.log_video_every": (">= 0", "0 turns it off"),
-    "run.collective_timeout_s": ("> 0", "seconds a collective may take before the job ends"),
-    "model.activation_memory_budget_gib": ("> 0", ""),
-    "model.lora_rank": (">= 0", "0: full fine-tune"),
-    "model.lora_alpha": ("> 0", "the LoRA scale is alpha / rank"),
-    "parallel.sequence_parallel_size": (">= 1", "1 turns SP off"),
-    "parallel.ulysses_degree": (">= 0", "0 picks it automatically"),
-    "parallel.replicate_size": (">= 1", "1: plain FSDP, no HSDP"),
-    "data.prompts_per_rank": (">= 1", ""),
-    "data.group_size": (">= 2", "GRPO normalises within a group"),
-    "data.max_sequence_length": (">= 1", "text tokens fed to the text encoder; Wan uses 512"),
-    "rollout.num_frames": (">= 1", "4k+1 frames: 1, 5, 9, ... 81"),
-    "rollout.height": ("> 0", "pixels, a multiple of 16"),
-    "rollout.width": ("> 0", "pixels, a multiple of 16"),
-    "rollout.num_steps": (">= 2", ""),
-    "rollout.shift": ("> 0", "Wan uses 3.0 at 480p, 5.0 at 720p"),
-    "rollout.guidance_scale": (">= 0", "<= 1 turns CFG off"),
-    "rollout.guidance_scale_2": (">= 0", "<= 1 turns CFG off"),
-    "rollout.noise_level": (">= 0", ""),
+    "run.seed": ("[0, 9223372036854775807]", "an int64"),
+    "run.log_video_every": (f"[0, {MAX_STEPS}]", "0 turns it off"),
+    "run.collective_timeout_s": (
+        "(0, 604800]",
+        "seconds a collective may take before the job ends (a week at most)",
+    ),
+    "model.activation_memory_budget_gib": ("(0, 4096]", "GiB of one GPU"),
+    "model.lora_rank": ("[0, 4096]", "0: full fine-tune; Wan's widest layer is 5120"),
+    "model.lora_alpha": ("(0, 1e4]", "the LoRA scale is alpha / rank"),
+    "parallel.sequence_parallel_size": ("[1, 4096]", "1 turns SP off"),
+    "parallel.ulysses_degree": ("[0, 4096]", "0 picks it automatically"),
+    "parallel.replicate_size": ("[1, 4096]", "1: plain FSDP, no HSDP"),
+    "data.prompts_per_rank": ("[1, 4096]", ""),
+    "data.group_size": ("[2, 4096]", "GRPO normalises within a group"),
+    "data.max_sequence_length": ("[1, 4096]", "text tokens fed to the text encoder; Wan uses 512"),
+    "rollout.num_frames": ("[1, 4097]", "4k+1 frames: 1, 5, 9, ... 81"),
+    "rollout.height": ("(0, 8192]", "pixels, a multiple of 16"),
+    "rollout.width": ("(0, 8192]", "pixels, a multiple of 16"),
+    "rollout.num_steps": ("[2, 1000]", "the scheduler has 1000 timesteps"),
+    "rollout.shift": ("(0, 100]", "Wan uses 3.0 at 480p, 5.0 at 720p"),
+    "rollout.guidance_scale": ("[0, 100]", "<= 1 turns CFG off; Wan uses 5"),
+    "rollout.guidance_scale_2": ("[0, 100]", "<= 1 turns CFG off; Wan uses 5"),
+    "rollout.noise_level": ("[0, 10]", "Flow-GRPO uses 0.7"),
     "rollout.timestep_fraction": ("(0, 1]", ""),
-    "rollout.sde_window_size": (">= 0", "0: no window"),
-    "rollout.sde_window_range": (">= 0", "[lo, hi) of denoising step indices"),
-    "reward.weights": ("any", ""),
-    "reward.num_frames": (">= 1", "frames sampled from each video for frame-level rewards"),
-    "grpo.clip_range": ("> 0", "Flow-GRPO uses 1e-4"),
-    "grpo.adv_clip_max": ("> 0", ""),
-    "grpo.kl_beta": (">= 0", "0 turns the KL term off"),
-    "nft.beta": ("> 0", "the reference uses 1.0"),
+    "rollout.sde_window_size": ("[0, 1000]", "0: no window"),
+    "rollout.sde_window_range": ("[0, 1000]", "[lo, hi) of denoising step indices"),
+    "reward.weights": ("[-1000, 1000]", "a weight of the reward mix"),
+    "reward.num_frames": ("[1, 4097]", "frames sampled from each video for frame-level rewards"),
+    "grpo.clip_range": ("(0, 100]", "Flow-GRPO uses 1e-4"),
+    "grpo.adv_clip_max": ("(0, 1000]", ""),
+    "grpo.kl_beta": ("[0, 1e6]", "0 turns the KL term off"),
+    "nft.beta": ("(0, 100]", "the reference uses 1.0"),
     "nft.timestep_fraction": ("(0, 1]", ""),
-    "nft.old_decay_rate": (">= 0", ""),
+    "nft.old_decay_rate": ("[0, 1]", ""),
     "nft.old_decay_max": ("[0, 1)", ""),
-    "nft.old_decay_flat": (">= 0", ""),
-    "nft.kl_beta": (">= 0", "0 turns the KL term off"),
-    "rollout.tis_cap": (">= 0", "0: no correction; otherwise >= 1, 2 is usual"),
-    "awm.num_levels": (">= 1", ""),
+    "nft.old_decay_flat": (f"[0, {MAX_STEPS}]", ""),
+    "nft.kl_beta": ("[0, 1e6]", "0 turns the KL term off"),
+    "rollout.tis_cap": ("[0, 1000]", "0: no correction; otherwise >= 1, 2 is usual"),
+    "awm.num_levels": ("[1, 1000]", ""),
     "awm.timestep_fraction": ("(0, 1]", ""),
-    "awm.ghuber_power": ("> 0", "the reference uses 0.25"),
-    "awm.advantage_max": (">= 0", "0 keeps the advantage unscaled"),
-    "awm.kl_beta": (">= 0", "0 turns the KL term off"),
-    "awm.ema_kl_beta": (">= 0", "0 turns the EMA term off"),
-    "awm.ema_decay_rate": (">= 0", ""),
+    "awm.ghuber_power": ("(0, 10]", "the reference uses 0.25"),
+    "awm.advantage_max": ("[0, 1000]", "0 keeps the advantage unscaled"),
+    "awm.kl_beta": ("[0, 1e6]", "0 turns the KL term off"),
+    "awm.ema_kl_beta": ("[0, 1e6]", "0 turns the EMA term off"),
+    "awm.ema_decay_rate": ("[0, 1]", ""),
     "awm.ema_decay_max": ("[0, 1)", ""),
-    "dgpo.num_levels": (">= 1", ""),
+    "dgpo.num_levels": ("[1, 1000]", ""),
     "dgpo.timestep_fraction": ("(0, 1]", ""),
-    "dgpo.beta_dpo": ("> 0", "the reference uses 10-100"),
-    "dgpo.kl_beta": (">= 0", "0 turns the KL term off"),
-    "dgpo.reference_guidance_scale": (">= 1", "1: the reference without CFG"),
-    "dgpo.clip_range": (">= 0", "0 turns the clip off"),
-    "dgpo.old_decay_rate": (">= 0", ""),
+    "dgpo.beta_dpo": ("(0, 1e6]", "the reference uses 10-100, 2000-5000 with ema_reference"),
+    "dgpo.kl_beta": ("[0, 1e6]", "0 turns the KL term off"),
+    "dgpo.reference_guidance_scale": ("[1, 100]", "1: the reference without CFG"),
+    "dgpo.clip_range": ("[0, 100]", "0 turns the clip off"),
+    "dgpo.old_decay_rate": ("[0, 1]", ""),
     "dgpo.old_decay_max": ("[0, 1)", ""),
-    "dpo.beta": ("> 0", "flow_grpo's SD3 recipe uses 100"),
-    "dpo.reward_margin": (">= 0", ""),
-    "dpo.num_levels": (">= 1", ""),
+    "dpo.beta": ("(0, 1e6]", "flow_grpo's SD3 recipe uses 100"),
+    "dpo.reward_margin": ("[0, 1e6]", ""),
+    "dpo.num_levels": ("[1, 1000]", ""),
     "dpo.timestep_fraction": ("(0, 1]", ""),
-    "dpo.ref_update_every": (">= 0", "0 keeps the initial weights as the reference"),
-    "sft.shift": ("> 0", "1: no shift; unset: rollout.shift"),
-    "sft.logit_mean": ("any", ""),
-    "sft.logit_std": ("> 0", ""),
+    "dpo.ref_update_every": (f"[0, {MAX_STEPS}]", "0 keeps the initial weights as the reference"),
+    "sft.shift": ("(0, 100]", "1: no shift; unset: rollout.shift"),
+    "sft.logit_mean": ("[-10, 10]", "SD3 uses 0"),
+    "sft.logit_std": ("(0, 10]", "SD3 uses 1"),
     "sft.caption_dropout": ("[0, 1)", ""),
-    "eval.every": (">= 0", "0: only at the start and the end"),
-    "eval.num_seeds": (">= 1", ""),
-    "eval.num_steps": (">= 1", ""),
-    "train.num_rollouts": (">= 1", ""),
-    "train.steps_per_rollout": (">= 1", ""),
-    "train.micro_batch_size": (">= 1", ""),
-    "train.learning_rate": (">= 0", "AdamW's step size"),
-    "train.weight_decay": (">= 0", "AdamW's decoupled weight decay"),
+    "eval.every": (f"[0, {MAX_STEPS}]", "0: only at the start and the end"),
+    "eval.num_seeds": ("[1, 1000]", ""),
+    "eval.num_steps": ("[1, 1000]", "the scheduler has 1000 timesteps"),
+    "train.num_rollouts": (f"[1, {MAX_STEPS}]", ""),
+    "train.steps_per_rollout": ("[1, 4096]", ""),
+    "train.micro_batch_size": ("[1, 4096]", ""),
+    "train.learning_rate": ("[0, 1]", "AdamW's step size; fine-tunes use 1e-6 to 1e-3"),
+    "train.weight_decay": ("[0, 100]", "AdamW's decoupled weight decay"),
     "train.adam_betas": ("[0, 1)", "AdamW's moment decays"),
-    "train.adam_eps": ("> 0", ""),
-    "train.max_grad_norm": ("> 0", ""),
-    "train.checkpoint_every": (">= 0", "0: only at the end"),
-    "train.keep_checkpoints": (">= 0", "the last K complete checkpoints are kept, 0 keeps every one"),
+    "train.adam_eps": ("(0, 1]", "AdamW uses 1e-8"),
+    "train.max_grad_norm": ("(0, 1e6]", ""),
+    "train.checkpoint_every": (f"[0, {MAX_STEPS}]", "0: only at the end"),
+    "train.keep_checkpoints": ("[0, 1e6]", "the last K complete checkpoints are kept, 0 keeps every one"),
     "train.ema_decay": ("[0, 1)", "0 turns the EMA off"),
 }
 # Each reward's options declare their own ranges (their class's RANGES, keyed by field).
@@ -601,16 +607,24 @@ RANGES.update(
 )
 
 
+def _interval(rule: str) -> tuple[float, float, bool, bool]:
+    """(lo, hi, lo included, hi included) of a RANGES rule "[a, b)" and the like."""
+    assert rule[0] in "[(" and rule[-1] in "])", (
+        f"a range must be an interval bounded on both sides: {rule!r}"
+    )
+    lo, hi = (float(x) for x in rule[1:-1].split(","))
+    return lo, hi, rule[0] == "[", rule[-1] == "]"
+
+
+for _rule, _ in RANGES.values():
+    _interval(_rule)  # each rule parses at import, not when a value first meets it
+
+
 def _satisfies(value: float, rule: str) -> bool:
-    if rule == "any":
-        return True
-    if rule[0] in "[(":
-        lo, hi = (float(x) for x in rule[1:-1].split(","))
-        above = value >= lo if rule[0] == "[" else value > lo
-        below = value <= hi if rule[-1] == "]" else value < hi
-        return above and below
-    op, bound = rule.split()
-    return value >= float(bound) if op == ">=" else value > float(bound)
+    lo, hi, lo_in, hi_in = _interval(rule)
+    above = value >= lo if lo_in else value > lo
+    below = value <= hi if hi_in else value < hi
+    return above and below
 
 
 def numeric_fields(node: Any, prefix: str = "") -> list[tuple[str, str, Any]]:
@@ -637,12 +651,26 @@ def _is_number(value: Any) -> bool:
 def check_ranges(cfg: Config) -> None:
     """Every number finite and within its field's :data:`RANGES` rule (``ConfigError`` naming it)."""
     for key, name, value in numeric_fields(cfg):
-        if not math.isfinite(value):
+        if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"{name} must be a finite number, got {value}")
-        rule, why = RANGES.get(key, ("any", ""))
+        rule, why = RANGES[key]
         if not _satisfies(value, rule):
-            shown = rule if rule[0] in "<>a" else f"in {rule}"
-            raise ConfigError(f"{name} must be {shown}" + (f" ({why})" if why else "") + f", got {value!r}")
+            raise ConfigError(_range_message(name, value, rule, why))
+
+
+def _range_message(name: str, value: float, rule: str, why: str) -> str:
+    """``KEY must be > 0 (why), got V; its range is (0, 8192]``: the side that failed, then the range."""
+    lo, hi, lo_in, hi_in = _interval(rule)
+    lo_text, hi_text = (x.strip() for x in rule[1:-1].split(","))
+    if value < lo or (value == lo and not lo_in):
+        side = f">= {lo_text}" if lo_in else f"> {lo_text}"
+    else:
+        side = f"<= {hi_text}" if hi_in else f"< {hi_text}"
+    return (
+        f"{name} must be {side}"
+        + (f" ({why})" if why else "")
+        + f", got {_shown(value)}; its range is {rule}"
+    )
 
 
 def check_run_name(run: RunConfig) -> None:
@@ -726,6 +754,12 @@ def validate(cfg: Config) -> None:
         ),
         (len(cfg.train.adam_betas) == 2, "train.adam_betas must have two values"),
         (
+            cfg.train.learning_rate * cfg.train.weight_decay < 1,
+            f"train.learning_rate * train.weight_decay = {cfg.train.learning_rate * cfg.train.weight_decay:g}: "
+            "AdamW multiplies every weight by 1 - lr * weight_decay each step, so >= 1 zeroes (or flips) "
+            "them all; fine-tunes use a weight decay of 0 to 0.1",
+        ),
+        (
             cfg.algorithm.name != "sft" or (cfg.data.prompt_file or "").endswith(".jsonl"),
             'algorithm.name sft trains on data.prompt_file: set it to a .jsonl of {"video": ..., "prompt": ...}',
         ),
@@ -761,8 +795,20 @@ def validate(cfg: Config) -> None:
         raise ConfigError(str(e)) from None
 
 
+# The sections only one algorithm reads: their settings change nothing under another algorithm.
+ALGORITHM_SECTIONS = {"nft": "diffusion_nft", "awm": "awm", "dgpo": "dgpo", "dpo": "online_dpo", "sft": "sft"}
+
+
+def _changed(section: Any, names: list[str] | None = None) -> list[str]:
+    """The fields of a config section set to other than their default."""
+    default = type(section)()
+    fields = names or [f.name for f in dataclasses.fields(section)]
+    return [n for n in fields if getattr(section, n) != getattr(default, n)]
+
+
 def config_warnings(cfg: Config) -> list[str]:
-    """Settings that are allowed but most likely a mistake (the entry point prints them once)."""
+    """Settings that are allowed but most likely a mistake (the entry point prints them once): an
+    update that changes nothing, an option that the chosen setting never reads."""
     found = []
     if cfg.train.learning_rate == 0:
         found.append("learning rate 0: the weights will not change (train.learning_rate)")
@@ -770,6 +816,27 @@ def config_warnings(cfg: Config) -> list[str]:
         found.append(
             "reward.gold is scored in evaluation only, and eval.prompt_file is unset: it is never scored"
         )
+    unused = [
+        (f"{section}.{n}", f"algorithm.name is {cfg.algorithm.name}; only {name} reads the {section} section")
+        for section, name in ALGORITHM_SECTIONS.items()
+        if cfg.algorithm.name != name
+        for n in _changed(getattr(cfg, section))
+    ]
+    if cfg.model.lora_rank == 0:
+        why = "model.lora_rank is 0 (a full fine-tune)"
+        unused += [(f"model.{n}", why) for n in _changed(cfg.model, ["lora_alpha", "lora_target_modules"])]
+    if cfg.rollout.sde_window_size == 0:
+        why = "rollout.sde_window_size is 0 (no window)"
+        unused += [(f"rollout.{n}", why) for n in _changed(cfg.rollout, ["sde_window_range"])]
+    if cfg.rollout.precision == "bf16":
+        why = "rollout.precision is bf16 (no drift to correct)"
+        unused += [(f"rollout.{n}", why) for n in _changed(cfg.rollout, ["tis_cap"])]
+    scored = {*cfg.reward.weights, *cfg.reward.gold}
+    for name in reward_option_classes():
+        if name not in scored:
+            why = f"{name} is in neither reward.weights nor reward.gold"
+            unused += [(f"reward.{name}.{n}", why) for n in _changed(getattr(cfg.reward, name))]
+    found += [f"{key} is set but never read: {why}" for key, why in unused]
     return found
 
 
@@ -815,40 +882,42 @@ def _check_value(key: str, value: Any, tp: Any) -> Any:
         raise ConfigError(errors[0])
     if origin is Literal:
         if value not in args:
-            raise ConfigError(f"{key}: {value!r} is not one of {list(args)}")
+            raise ConfigError(f"{key}: {_shown(value)} is not one of {list(args)}")
         return value
     if origin is list:
         if not isinstance(value, list):
-            raise ConfigError(f"{key}: expected a list, got {type(value).__name__} {value!r}")
+            raise ConfigError(f"{key}: expected a list, got {type(value).__name__} {_shown(value)}")
         return [_check_value(f"{key}[{i}]", v, args[0]) for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, dict):
-            raise ConfigError(f"{key}: expected a mapping, got {type(value).__name__} {value!r}")
+            raise ConfigError(f"{key}: expected a mapping, got {type(value).__name__} {_shown(value)}")
         return {
             _check_value(key, k, args[0]): _check_value(f"{key}.{k}", v, args[1]) for k, v in value.items()
         }
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
-            raise ConfigError(f"{key}: expected a section (mapping), got {type(value).__name__} {value!r}")
+            raise ConfigError(
+                f"{key}: expected a section (mapping), got {type(value).__name__} {_shown(value)}"
+            )
         return _build(tp, value, key)
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             hint = ""
             if isinstance(value, str):
                 hint = " (YAML reads a number like 3e-5 as a string: write 3.0e-5)"
-            raise ConfigError(f"{key}: expected a number, got {type(value).__name__} {value!r}{hint}")
+            raise ConfigError(f"{key}: expected a number, got {type(value).__name__} {_shown(value)}{hint}")
         return float(value)
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{key}: expected an integer, got {type(value).__name__} {value!r}")
+            raise ConfigError(f"{key}: expected an integer, got {type(value).__name__} {_shown(value)}")
         return value
     if tp is bool:
         if not isinstance(value, bool):
-            raise ConfigError(f"{key}: expected true or false, got {type(value).__name__} {value!r}")
+            raise ConfigError(f"{key}: expected true or false, got {type(value).__name__} {_shown(value)}")
         return value
     if tp is str:
         if not isinstance(value, str):
-            raise ConfigError(f"{key}: expected a string, got {type(value).__name__} {value!r}")
+            raise ConfigError(f"{key}: expected a string, got {type(value).__name__} {_shown(value)}")
         return value
     raise AssertionError(f"unsupported config type {_type_name(tp)} at {key}")
 
@@ -879,42 +948,118 @@ def _yaml_error(path: Path, e: yaml.YAMLError) -> str:
     return f"{where}: not valid YAML ({what})"
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """PyYAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last)."""
+RECIPE_MAX_BYTES = 1 << 20
+"""A recipe is a few KB; a larger file is not one (and a YAML parser's time grows with it)."""
+RECIPE_MAX_DEPTH = 16
+"""Nesting levels a recipe may use (its deepest field, ``reward.NAME.OPTION[i]``, is 4)."""
+
+
+def _mark(node_or_event: Any) -> str:
+    mark = node_or_event.start_mark
+    return f"{mark.name}:{mark.line + 1}:{mark.column + 1}"
+
+
+class _RecipeLoader(yaml.SafeLoader):
+    """PyYAML's safe loader for what a user can write into a recipe: refuses a key given twice in one
+    mapping (PyYAML keeps the last), a key that is not a name (a list, a number), aliases (``*x``:
+    a few lines of them expand into billions of values) and nesting deeper than
+    :data:`RECIPE_MAX_DEPTH` (PyYAML's composer recurses: Python's stack would end it)."""
+
+    _depth = 0
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise ConfigError(
+                f"{_mark(event)}: YAML aliases (*{event.anchor}, of an anchor &{event.anchor}) are not read in a "
+                "recipe: write the value out (an alias can expand a few lines into billions of values)"
+            )
+        self._depth += 1
+        try:
+            if self._depth > RECIPE_MAX_DEPTH:
+                raise ConfigError(
+                    f"{_mark(self.peek_event())}: nested more than {RECIPE_MAX_DEPTH} levels deep; a recipe's "
+                    "deepest key is reward.NAME.OPTION (see configs/tiny_cpu.yaml)"
+                )
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def construct_yaml_int(self, node):
+        digits = len(node.value.lstrip("+-"))
+        if digits > 1000:  # int() refuses 4300 digits with a hint about sys.set_int_max_str_digits
+            raise ConfigError(f"{_mark(node)}: an integer of {digits} digits; no setting needs one")
+        return super().construct_yaml_int(node)
 
     def construct_mapping(self, node, deep=False):
         seen: dict = {}
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
-            if key in seen:
-                mark = key_node.start_mark
+            if not isinstance(key, str):
+                kinds = {yaml.SequenceNode: "a list", yaml.MappingNode: "a mapping"}
+                shown = kinds.get(type(key_node)) or f"{type(key).__name__} {_shown(key)}"
                 raise ConfigError(
-                    f"{mark.name}:{mark.line + 1}:{mark.column + 1}: the key {key!r} is given twice in one "
+                    f"{_mark(key_node)}: a key must be a name, got {shown}; recipe keys are section and field "
+                    "names (quote a key YAML reads as something else, e.g. 'on' or '1')"
+                )
+            if key in seen:
+                raise ConfigError(
+                    f"{_mark(key_node)}: the key {key!r} is given twice in one "
                     f"section (first on line {seen[key] + 1}); YAML would silently keep the last: keep one"
                 )
             seen[key] = key_node.start_mark.line
         return super().construct_mapping(node, deep=deep)
 
 
-def load_config_file(path: str | Path) -> Config:
-    """Load a YAML recipe strictly into a :class:`Config`: no key twice, not empty."""
-    path = Path(path)
-    if not path.is_file():
+_RecipeLoader.add_constructor("tag:yaml.org,2002:int", _RecipeLoader.construct_yaml_int)
+
+
+def _shown(value: Any, limit: int = 60) -> str:
+    """``repr(value)``, cut to ``limit`` characters (a refused value may be enormous)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[: limit - 20]}... ({len(text)} characters)"
+
+
+def _read_recipe(path: Path) -> str:
+    """The recipe's text; ``ConfigError`` naming what ``path`` is instead of a readable UTF-8 recipe."""
+    if path.is_dir():
+        raise ConfigError(f"config file {path} is a directory: give the path of a YAML recipe inside it")
+    if not path.exists():
         raise ConfigError(f"config file {path} does not exist")
+    if not path.is_file():
+        raise ConfigError(f"config file {path} is not a regular file: give the path of a YAML recipe")
     try:
-        text = path.read_text(encoding="utf-8")
-        loader = _UniqueKeyLoader(text)
+        size = path.stat().st_size
+        if size > RECIPE_MAX_BYTES:
+            raise ConfigError(
+                f"config file {path} is {size} bytes; a recipe is a few KB (at most {RECIPE_MAX_BYTES}): "
+                "is it the right file?"
+            )
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"{path}: not UTF-8 text (byte offset {e.start}); save the recipe as UTF-8"
+        ) from None
+    except OSError as e:
+        raise ConfigError(f"config file {path} cannot be read ({e.strerror or e})") from None
+
+
+def load_config_file(path: str | Path) -> Config:
+    """Load a YAML recipe strictly into a :class:`Config`: no key twice, not empty, no alias, not
+    deeper than a recipe's sections, at most :data:`RECIPE_MAX_BYTES`."""
+    path = Path(path)
+    text = _read_recipe(path)
+    try:
+        loader = _RecipeLoader(text)
         loader.name = str(path)
         try:
             data = loader.get_single_data()
         finally:
             loader.dispose()
-    except UnicodeDecodeError as e:
-        raise ConfigError(
-            f"{path}: not UTF-8 text (byte offset {e.start}); save the recipe as UTF-8"
-        ) from None
     except yaml.YAMLError as e:
         raise ConfigError(_yaml_error(path, e)) from None
+    except RecursionError:  # the scanner's own recursion, below RECIPE_MAX_DEPTH's reach
+        raise ConfigError(f"{path}: nested too deeply to be a recipe") from None
     if not data:
         raise ConfigError(
             f"{path}: the recipe is empty: it would run the built-in tiny defaults. Give its sections "

@@ -50,15 +50,26 @@ def load_prompts(path: str | Path) -> list[Prompt]:
     or one without a non-empty string ``prompt``.
     """
     path = Path(path)
-    if not path.is_file():
+    if path.is_dir():
+        raise ValueError(f"prompt file {path} is a directory: give a .txt (one prompt a line) or .jsonl file")
+    if not path.exists():
         raise FileNotFoundError(f"prompt file not found: {path}")
+    if not path.is_file():
+        raise ValueError(f"prompt file {path} is not a regular file: give a .txt or .jsonl file")
     suffix = path.suffix.lower()
     if suffix not in (".txt", ".jsonl"):
         raise ValueError(f"{path}: unsupported prompt file type {suffix!r}; use .txt or .jsonl")
     try:
+        size = path.stat().st_size
+        if size > MAX_PROMPT_FILE_BYTES:
+            raise ValueError(
+                f"{path}: {size} bytes; a prompt file may hold at most {MAX_PROMPT_FILE_BYTES} "
+                f"({MAX_PROMPTS} prompts): take a subset of it"
+            )
         data = path.read_bytes()
     except OSError as e:
         raise ValueError(f"{path}: cannot read the prompt file ({e.strerror})") from None
+    check_prompt_lines(path, data)
 
     prompts: list[Prompt] = []
     # Editors on Windows start UTF-8 files with a byte-order mark; it is not part of the prompt.
@@ -93,6 +104,37 @@ def load_prompts(path: str | Path) -> list[Prompt]:
     if not prompts:
         raise ValueError(f"{path}: no prompts in file; data.prompt_file needs at least one non-empty line")
     return prompts
+
+
+MAX_PROMPTS = 1_000_000
+"""Lines a prompt file may hold: every prompt is read, checked and tokenized (the truncation count)
+before the first rollout; a larger set is subsampled first."""
+MAX_PROMPT_LINE_BYTES = 65_536
+"""Bytes a line may hold: far above any text encoder's window (Wan reads 512 tokens)."""
+MAX_PROMPT_FILE_BYTES = 256 << 20
+"""Bytes a prompt file may hold (checked before it is read)."""
+
+
+def check_prompt_lines(path: Path, data: bytes) -> None:
+    """Refuse (ValueError) a prompt file with more than :data:`MAX_PROMPTS` lines or a line over
+    :data:`MAX_PROMPT_LINE_BYTES`, naming the file (and the line), before anything parses it."""
+    lines = data.count(b"\n") + (not data.endswith(b"\n"))
+    if lines > MAX_PROMPTS:
+        raise ValueError(
+            f"{path}: {lines} lines; a prompt file may hold at most {MAX_PROMPTS} prompts (each is read and "
+            "tokenized before the first rollout): take a subset of it"
+        )
+    start = 0
+    while start < len(data):
+        end = data.find(b"\n", start)
+        end = len(data) if end < 0 else end
+        if end - start > MAX_PROMPT_LINE_BYTES:
+            lineno = data.count(b"\n", 0, start) + 1
+            raise ValueError(
+                f"{path}:{lineno}: a line of {end - start} bytes; a prompt line may hold at most "
+                f"{MAX_PROMPT_LINE_BYTES} (the text encoder reads data.max_sequence_length tokens of it)"
+            )
+        start = end + 1
 
 
 def check_prompt_images(prompts: Sequence[Prompt], source: str | Path, image_to_video: bool) -> None:
@@ -142,8 +184,12 @@ def count_truncated(texts: Sequence[str], tokenizer: Any, max_sequence_length: i
     """
     from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 
-    ids = tokenizer([prompt_clean(t) for t in texts], add_special_tokens=True, verbose=False)["input_ids"]
-    return sum(len(x) > max_sequence_length for x in ids)
+    count = 0
+    for start in range(0, len(texts), 4096):  # a bounded batch: a tokenizer's memory grows with it
+        batch = [prompt_clean(t) for t in texts[start : start + 4096]]
+        ids = tokenizer(batch, add_special_tokens=True, verbose=False)["input_ids"]
+        count += sum(len(x) > max_sequence_length for x in ids)
+    return count
 
 
 def truncation_warning(

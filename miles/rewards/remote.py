@@ -314,12 +314,12 @@ class RemoteOptions:
     """``remote``: rewards computed by a reward server (``python -m miles.rewards.serve``), weighted."""
 
     RANGES: ClassVar[dict[str, tuple[str, str]]] = {
-        "rewards": ("any", ""),
-        "timeout_s": ("> 0", ""),
-        "retries": (">= 0", ""),
-        "backoff_s": (">= 0", ""),
-        "batch_size": (">= 1", ""),
-        "num_frames": (">= 1", ""),
+        "rewards": ("[-1000, 1000]", "a weight of the reward mix"),
+        "timeout_s": ("(0, 86400]", ""),
+        "retries": ("[0, 100]", ""),
+        "backoff_s": ("[0, 3600]", ""),
+        "batch_size": ("[1, 65536]", ""),
+        "num_frames": ("[1, 4097]", ""),
     }
 
     url: str | None = None

@@ -95,7 +95,10 @@ def reward_model_class() -> type:
 class VideoAlignOptions:
     """``videoalign``: a Qwen2-VL reward model with ``rm_head`` (VideoReward's VQ, MQ, TA)."""
 
-    RANGES: ClassVar[dict[str, tuple[str, str]]] = {"num_frames": (">= 1", ""), "max_pixels": (">= 1", "")}
+    RANGES: ClassVar[dict[str, tuple[str, str]]] = {
+        "num_frames": ("[1, 4097]", ""),
+        "max_pixels": ("[784, 67108864]", "28 x 28 to 8192 x 8192"),
+    }
 
     model_path: str | None = None
     """Local save_pretrained folder of a Qwen2-VL reward model with ``rm_head`` (KwaiVGI/VideoReward)."""

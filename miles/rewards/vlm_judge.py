@@ -113,13 +113,13 @@ class VLMJudgeOptions:
     """``vlm_judge``: a vision-language model behind an OpenAI-compatible API rates each video."""
 
     RANGES: ClassVar[dict[str, tuple[str, str]]] = {
-        "num_frames": (">= 1", ""),
-        "score_range": ("any", ""),
-        "timeout_s": ("> 0", ""),
-        "retries": (">= 0", ""),
-        "backoff_s": (">= 0", ""),
-        "concurrency": (">= 1", ""),
-        "max_tokens": (">= 1", ""),
+        "num_frames": ("[1, 4097]", ""),
+        "score_range": ("[-1e6, 1e6]", ""),
+        "timeout_s": ("(0, 86400]", ""),
+        "retries": ("[0, 100]", ""),
+        "backoff_s": ("[0, 3600]", ""),
+        "concurrency": ("[1, 1024]", ""),
+        "max_tokens": ("[1, 131072]", ""),
     }
 
     url: str | None = None

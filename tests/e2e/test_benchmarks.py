@@ -224,6 +224,9 @@ def test_step_bench_flops_and_mfu(step_bench):
     forward = model_flops(model_spec("tiny")["transformer"], r["tokens"], text_tokens=64)
     assert r["flops"]["rollout"] == r["samples"] * r["num_steps"] * 2 * forward  # CFG: 2 forwards a step
     assert r["flops"]["train"] == r["samples"] * r["num_sde_steps"] * 2 * 3 * forward
+    # the settings a side by side compares are recorded as trained (recipe values: no flag given)
+    assert (r["text_tokens"], r["lora_rank"], r["guidance"], r["micro_batch"]) == (64, 0, 5.0, 1)
+    assert r["trainable_params"] > 0 and r["memory_cap_gib"] is None
     s = r["summary"]
     assert s["measured_rollouts"] == 1  # the first of 2 is the warm-up
     assert s["step"]["model_tflop"] == pytest.approx((r["flops"]["rollout"] + r["flops"]["train"]) / 1e12)

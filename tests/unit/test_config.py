@@ -97,7 +97,7 @@ def test_bad_cli_value_fails(capsys):
         ("--nft.kl-beta", "-0.1", "nft.kl_beta must be >= 0"),
         ("--train.learning-rate", "-1e-5", "train.learning_rate must be >= 0"),
         ("--train.max-grad-norm", "0", "train.max_grad_norm must be > 0"),
-        ("--train.ema-decay", "1.0", "train.ema_decay must be in"),
+        ("--train.ema-decay", "1.0", "train.ema_decay must be < 1"),
         ("--eval.num-seeds", "0", "eval.num_seeds must be >= 1"),
     ],
 )

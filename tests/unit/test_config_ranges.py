@@ -55,7 +55,7 @@ BAD_FLAGS = {
     "max_sequence_length_0": (["--data.max-sequence-length", "0"], "data.max_sequence_length must be >= 1"),
     "shift_negative": (["--rollout.shift", "-3"], "rollout.shift must be > 0"),
     "noise_level_0": (["--rollout.noise-level", "0"], "rollout.noise_level must be > 0 with algorithm.name flow_grpo"),
-    "adam_beta_1_5": (["--train.adam-betas", "0.9", "1.5"], "train.adam_betas[1] must be in [0, 1)"),
+    "adam_beta_1_5": (["--train.adam-betas", "0.9", "1.5"], "train.adam_betas[1] must be < 1 (AdamW's moment decays), got 1.5; its range is [0, 1)"),
     "weight_decay_negative": (["--train.weight-decay", "-1"], "train.weight_decay must be >= 0"),
     "collective_timeout_0": (["--run.collective-timeout-s", "0"], "run.collective_timeout_s must be > 0"),
     "lr_inf": (["--train.learning-rate", "inf"], "train.learning_rate must be a finite number, got inf"),
@@ -67,7 +67,7 @@ BAD_FLAGS = {
     "all_reward_weights_0": (["--reward.weights.jpeg_incompressibility", "0"], "every reward weight is 0"),
     "run_name_leaves_output_dir": (["--run.name", "../elsewhere"], "run.name '../elsewhere' would put the run directory outside"),
     "run_name_absolute": (["--run.name", "/tmp/x"], "would put the run directory outside"),
-    "ema_decay_1": (["--train.ema-decay", "1"], "train.ema_decay must be in [0, 1)"),
+    "ema_decay_1": (["--train.ema-decay", "1"], "train.ema_decay must be < 1 (0 turns the EMA off), got 1.0; its range is [0, 1)"),
 }  # fmt: skip
 
 

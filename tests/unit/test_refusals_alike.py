@@ -62,6 +62,20 @@ def _case(tmp_path: Path, case: str) -> tuple[list[str], str]:
         return ["--config", str(recipe)], (
             "unknown config key 'reward.pickscore.modle_path'; valid keys here: ['model_path', 'processor_path']"
         )
+    if case == "list_as_a_key":
+        recipe.write_text("train:\n  [1, 2]: 3\n")
+        return ["--config", str(recipe)], f"{recipe}:2:3: a key must be a name, got a list"
+    if case == "alias_bomb":
+        lines = ["a: &a [x, x, x, x, x, x, x, x, x]"]
+        lines += [f"{c}: &{c} [" + ", ".join([f"*{p}"] * 9) + "]" for p, c in zip("abcdefgh", "bcdefghi")]
+        recipe.write_text("\n".join(lines) + "\n")
+        return ["--config", str(recipe)], f"{recipe}:2:8: YAML aliases (*a, of an anchor &a) are not read"
+    if case == "config_is_a_directory":
+        return ["--config", str(tmp_path)], f"config file {tmp_path} is a directory"
+    if case == "height_1e6":
+        return ["--rollout.height", "1000000"], "rollout.height must be <= 8192"
+    if case == "prompt_file_is_a_directory":
+        return ["--data.prompt-file", str(tmp_path)], f"prompt file {tmp_path} is a directory"
     if case == "broken_transformer_config":
         model = _model_copy(tmp_path, "transformer/config.json")
         return ["--model.path", str(model)], f"{model}/transformer/config.json is not valid JSON"
@@ -88,6 +102,11 @@ CASES = [
     "reward_option_misspelled",
     "broken_transformer_config",
     "truncated_safetensors",
+    "list_as_a_key",
+    "alias_bomb",
+    "config_is_a_directory",
+    "height_1e6",
+    "prompt_file_is_a_directory",
 ]
 
 

@@ -1,0 +1,128 @@
+"""``bench/peer_step.py``'s side by side is like for like (issue 43): miles' side gets every setting the
+two sides share as a flag, and ``bench/step_bench.py`` turns each flag into the config it trains with.
+
+The check walks the real path: ``peer_step.ours_command`` -> ``step_bench``'s own parser ->
+``step_bench.build_config`` (the recipe with the flags applied), and compares each resolved config field
+with the peer's setting. A flag dropped on either side, or a recipe default left in its place, fails.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+# settings chosen to differ from the recipe's (configs/wan2_1_t2v_1_3b.yaml: guidance 5, shift 3,
+# 512 text tokens, micro-batch 1, no LoRA) so that a default left in place is caught
+PEER = [
+    "--flow-grpo",
+    "/nonexistent/flow_grpo",
+    "--out",
+    "/tmp/unused",
+    "--model",
+    "tiny",
+    "--shape",
+    "5",
+    "64",
+    "64",
+    "--num-steps",
+    "6",
+    "--train-steps",
+    "3",
+    "--samples",
+    "4",
+    "--micro-batch",
+    "2",
+    "--guidance",
+    "4.5",
+    "--shift",
+    "5.0",
+    "--text-tokens",
+    "24",
+]
+
+
+@pytest.mark.parametrize("full", [False, True])
+def test_ours_gets_every_shared_setting(full, tmp_path):
+    from bench import peer_step, step_bench
+
+    peer = peer_step.parse(PEER)
+    cmd = peer_step.ours_command(peer, tmp_path / "ours", peer.shape, 100.0, full)
+    assert cmd[1].endswith("bench/step_bench.py")
+    args = step_bench.parser().parse_args(cmd[2:])
+    args.work = tmp_path / "work"  # as main() sets it
+    cfg = step_bench.build_config(args, "jpeg", tmp_path / "model", None)
+
+    assert [cfg.rollout.num_frames, cfg.rollout.height, cfg.rollout.width] == peer.shape
+    assert cfg.rollout.num_steps == peer.num_steps
+    assert cfg.rollout.sde_window_size == peer.train_steps
+    assert cfg.data.prompts_per_rank * cfg.data.group_size == peer.samples
+    assert cfg.rollout.guidance_scale == peer.guidance
+    assert cfg.rollout.shift == peer.shift
+    assert cfg.data.max_sequence_length == peer.text_tokens
+    assert cfg.train.micro_batch_size == peer.micro_batch
+    assert cfg.model.lora_rank == (0 if full else peer_step.LORA_RANK)
+    assert cfg.model.lora_alpha == peer_step.LORA_ALPHA
+    assert list(cfg.model.lora_target_modules) == peer_step.LORA_TARGETS
+
+
+def test_unset_shared_flags_keep_the_recipe(tmp_path):
+    from bench import step_bench
+
+    args = step_bench.parser().parse_args(["--out", str(tmp_path), "--model", "wan2.1-t2v-1.3b"])
+    args.work = tmp_path / "work"
+    cfg = step_bench.build_config(args, "jpeg", tmp_path / "model", None)
+    assert (cfg.rollout.guidance_scale, cfg.rollout.shift, cfg.model.lora_rank) == (5.0, 3.0, 0)
+    assert cfg.data.max_sequence_length == 512
+
+
+def test_memory_cap_reads_the_shared_variable(monkeypatch):
+    from bench import step_bench
+
+    monkeypatch.delenv("MILES_BENCH_MEMORY_CAP_GIB", raising=False)
+    assert step_bench.cap_process_memory() is None
+    monkeypatch.setenv("MILES_BENCH_MEMORY_CAP_GIB", "80")
+    assert step_bench.cap_process_memory() == 80.0
+
+
+def test_markdown_reads_each_setting_from_the_json():
+    from bench import peer_step
+
+    def side(step_s, params):
+        return {
+            "trainable_params": params,
+            "rollout_s": 1.0,
+            "rollout_tflops": 1.0,
+            "reward_s": 0.5,
+            "train_s": 2.0,
+            "train_tflops": 1.0,
+            "step_s": step_s,
+            "peak_gib": 1.0,
+        }
+
+    def ours(step_s):
+        phase = {"wall_s": 1.0, "tflops": 1.0}
+        return {
+            "trainable_params": 7,
+            "summary": {
+                "phases": {"rollout": phase, "decode+reward": phase, "train": phase},
+                "step": {"wall_s": step_s},
+                "peak_gib": 2.0,
+            },
+        }
+
+    args = vars(peer_step.parse(PEER))
+    results = {
+        "args": {k: v for k, v in args.items() if k not in ("flow_grpo", "out")},
+        "device": "cpu",
+        "flops": {"tokens": 48},
+        "lora": {"flow_grpo": side(6.0, 11), "miles": ours(3.0)},
+        "full": {"flow_grpo": side(9.0, 99), "miles": ours(2.0)},
+    }
+    text = peer_step.markdown(results)
+    assert "lora: miles' step is 2.00x" in text and "full: miles' step is 4.50x" in text
+    assert "| lora | flow_grpo | 11 |" in text and "| full | flow_grpo | 99 |" in text
