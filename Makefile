@@ -6,7 +6,9 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 TINY_DIR ?= .cache/tiny-wan
 NPROC ?= 4
-TORCHRUN := $(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC)
+TORCH_VERSION ?= 2.13.0
+# torchrun through miles.launch: a refusal ends in one line and exit code 2, with no launcher traceback
+TORCHRUN := $(PY) -m miles.launch --standalone --nproc-per-node $(NPROC)
 
 .PHONY: setup lint format test test-fast e2e e2e-random e2e-gpu e2e-bands tiny-model world-model world-i2v-model bench bench-learning clean
 
@@ -15,11 +17,9 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# Without CUDA, install the CPU torch wheel first so nothing pulls a multi-GB CUDA build.
-	if ! command -v nvidia-smi >/dev/null 2>&1; then \
-		$(PY) -m pip install -q torch==2.13.0 || \
-		$(PY) -m pip install -q torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu; \
-	fi
+	# torch first: the CPU wheel (https://download.pytorch.org/whl/cpu, or a local wheel) without a
+	# GPU, so nothing pulls a multi-GB CUDA build; the CUDA one where nvidia-smi lists a GPU.
+	launch/install_torch.sh $(PY) $(TORCH_VERSION)
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $(STAMP)
 
@@ -45,7 +45,7 @@ test-fast: setup tiny-model
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q tests/unit
 
 # The main job: GRPO on the pretrained tiny world (miles/world), 4 CPU processes as dp2 x sp2;
-# the held-out evaluation (eval.jsonl, eval/step_N.gif) rises from the pretrained baseline.
+# the held-out evaluation (eval.jsonl, eval/step_N.{json,mp4}) rises from the pretrained baseline.
 e2e: setup
 	HF_HUB_OFFLINE=1 WANDB_MODE=offline OMP_NUM_THREADS=1 $(TORCHRUN) train_grpo.py \
 		--config configs/world_cpu.yaml --sequence-parallel-size 2 --data.prompts-per-rank 4 --train.num-rollouts 10
@@ -68,7 +68,7 @@ world-model: setup
 
 # The same recipe shape on one GPU.
 e2e-gpu: tiny-model
-	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(VENV)/bin/torchrun --standalone --nproc-per-node 1 train_grpo.py \
+	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(PY) -m miles.launch --standalone --nproc-per-node 1 train_grpo.py \
 		--config configs/tiny_gpu.yaml
 
 # Every SP band (sp1/dp4, u4r1, u2r2, u1r4, dp2xu2) for 5 rollouts, each run twice: a table in runs/bands.

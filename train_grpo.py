@@ -29,6 +29,35 @@ def report_user_error(error: Exception) -> None:
     print(f"error: {error}" if rank == 0 else f"error (rank {rank}): {error}", file=sys.stderr, flush=True)
 
 
+def run_dry(cfg, world_size: int | None) -> int:
+    """``--dry-run``: the plan, or the refusal the real run would give (exit code 2)."""
+    from miles.train.dry_run import dry_run
+    from miles.train.logging import configure_library_progress, show_progress
+
+    configure_library_progress(show_progress(cfg.run.progress))  # no bars into a redirected log
+    try:
+        dry_run(cfg, world_size=world_size)  # its report lists the config warnings too
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def finished_early(cfg) -> int | None:
+    """A relaunch of a finished run: say so before anything is built and return 0 (2: its directory
+    is in use by another launch); None: there is work to do."""
+    from miles.train.outcome import finished_at_launch
+
+    try:
+        note = finished_at_launch(cfg)
+    except ValueError as e:
+        report_user_error(e)
+        return 2
+    if note and int(os.environ.get("RANK", "0")) == 0:
+        print(note, flush=True)
+    return 0 if note else None
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         cfg, opts = parse_args(argv)
@@ -41,17 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if opts.dry_run:
-        from miles.train.dry_run import dry_run
-        from miles.train.logging import configure_library_progress, show_progress
-
-        configure_library_progress(show_progress(cfg.run.progress))  # no bars into a redirected log
-
-        try:
-            dry_run(cfg, world_size=opts.world_size)  # its report lists the config warnings too
-        except (ConfigError, ValueError, FileNotFoundError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        return 0
+        return run_dry(cfg, opts.world_size)
     if int(os.environ.get("RANK", "0")) == 0:
         for warning in config_warnings(cfg):
             print(f"[miles] warning: {warning}", file=sys.stderr)
@@ -60,9 +79,12 @@ def main(argv: list[str] | None = None) -> int:
     from miles.train.export import ExportWriteError
     from miles.train.outcome import finished_note, result_line
     from miles.train.reward_failure import RewardFailed
+
+    if (code := finished_early(cfg)) is not None:
+        return code
     from miles.train.trainer import Trainer
 
-    trainer = None
+    trainer, last_line = None, None
     try:
         try:
             trainer = Trainer(cfg)
@@ -79,8 +101,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(note, flush=True)
             return 0
         trainer.train()  # a SIGINT/SIGTERM ends it early with a checkpoint (miles/train/stop.py)
-        if rank0 and not trainer.stop.agreed:
-            print(result_line(run_dir, trainer.rollout_index, trainer.step), flush=True)
+        if rank0 and not trainer.stop.agreed:  # printed last, after the logger closed (wandb's lines)
+            uses_rewards = trainer.algorithm.uses_rewards
+            last_line = result_line(run_dir, trainer.rollout_index, trainer.step, uses_rewards)
     except (CheckpointWriteError, ExportWriteError, RewardFailed) as e:  # raised on every rank
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {e}", file=sys.stderr)
@@ -108,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
             trainer.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+    if last_line:
+        print(last_line, flush=True)
     return 0
 
 

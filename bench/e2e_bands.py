@@ -67,7 +67,7 @@ TRAJECTORY_RTOL = 1e-3
 # Wall-clock and machine-dependent metrics, left out of the bitwise double-run comparison.
 VOLATILE_PREFIXES = ("time/", "perf/", "memory/")
 ROLLOUT_LINE = re.compile(
-    r"\[rollout (\d+)\] step (\d+) reward mean=(\S+) std=(\S+) min=(\S+) max=(\S+)"
+    r"\[rollout (\d+)\] step (\d+) (?:reward mean=(\S+) std=(\S+) min=(\S+) max=(\S+))?"  # SFT: none
     r"(?: .*log_prob_mean_abs_diff=(\S+))?"  # Flow-GRPO's canary; DiffusionNFT has none
 )
 
@@ -433,7 +433,7 @@ def render(summary: dict) -> str:
         if "reward0" not in r:
             lines.append(f"| {r['band']} | {layout} | FAILED: {'; '.join(r['errors'])} |")
             continue
-        rw, c = r["reward0"], r["canary"]
+        rw, c = {k: v or "—" for k, v in r["reward0"].items()}, r["canary"]  # SFT: no reward
         row = (
             f"| {r['band']} | {layout} | {rw['mean']} | {rw['std']} | {rw['min']} | {rw['max']} | "
             f"{c[0]:.1e} → {c[-1]:.1e} | {r['step_time_mean_s']:.2f} | {r['optimizer_steps']} |"

@@ -58,8 +58,8 @@ def build_expert(name: str, device: torch.device, compile_blocks: bool):
 
     from miles.models.config_folders import per_token_timesteps
     from miles.parallel.topology import ParallelDims, build_parallel_mesh
+    from miles.sequence_parallel.checks import default_attention_backend
     from miles.train.parallelize import parallelize_expert
-    from miles.train.plan import default_attention_backend
 
     spec = model_spec(name)
     if spec["vae"].get("z_dim", 16) != spec["transformer"]["in_channels"] or per_token_timesteps(spec):

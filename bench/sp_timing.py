@@ -61,8 +61,8 @@ def build(model: str, sp: int, ulysses: int, device, compile_blocks: bool, check
     from bench.real_configs import model_spec
     from miles.parallel.checkpointing import checkpoint_modes
     from miles.parallel.topology import ParallelDims, build_parallel_mesh, resolve_ulysses_degree
+    from miles.sequence_parallel.checks import default_attention_backend
     from miles.train.parallelize import parallelize_expert
-    from miles.train.plan import default_attention_backend
 
     config = model_spec(model)["transformer"]
     torch.manual_seed(0)

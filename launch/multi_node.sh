@@ -15,7 +15,8 @@
 #   NPROC_PER_NODE  processes (GPUs) per node (default: the GPUs nvidia-smi lists, else 1)
 #   RDZV_BACKEND    c10d (default: fault-tolerant join, any arrival order) or static
 #   RDZV_ID         rendezvous id shared by the nodes of one job (default: $SLURM_JOB_ID, else "miles")
-#   TORCHRUN        torchrun to use (default: .venv/bin/torchrun in the repository, else torchrun)
+#   TORCHRUN        torchrun to use (default: python -m miles.launch, torchrun with quiet refusals;
+#                   the repository's .venv python if present)
 #   TORCHRUN_ARGS   extra torchrun flags, word-split (e.g. "--max-restarts 0")
 #   TORCH_ELASTIC_SHUTDOWN_TIMEOUT  seconds torchrun waits, after a SIGINT/SIGTERM, for the workers
 #                   to save their checkpoint before it kills them (default here 100; torch's is 30)
@@ -37,15 +38,21 @@ if [[ -z "${NPROC_PER_NODE:-}" ]]; then
     NPROC_PER_NODE="$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)"
     [[ "${NPROC_PER_NODE:-0}" -ge 1 ]] || NPROC_PER_NODE=1
 fi
-if [[ -z "${TORCHRUN:-}" ]]; then
-    if [[ -x "$ROOT/.venv/bin/torchrun" ]]; then TORCHRUN="$ROOT/.venv/bin/torchrun"; else TORCHRUN=torchrun; fi
+# The launcher: TORCHRUN if set; else torchrun through miles.launch (a refusal ends in one line and
+# exit code 2, a Ctrl-C in 130, no launcher traceback), with the repository's venv if it has one.
+if [[ -n "${TORCHRUN:-}" ]]; then
+    LAUNCHER=("$TORCHRUN")
+else
+    if [[ -x "$ROOT/.venv/bin/python" ]]; then PYTHON="$ROOT/.venv/bin/python"; else PYTHON=python3; fi
+    export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+    LAUNCHER=("$PYTHON" -m miles.launch)
 fi
 export NPROC_PER_NODE  # read by the dry run
 # A stopped run saves a checkpoint at its next safe point (miles/train/stop.py): give it time.
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-100}"
 
 # shellcheck disable=SC2086  # TORCHRUN_ARGS is meant to be word-split
-exec "$TORCHRUN" \
+exec "${LAUNCHER[@]}" \
     --nnodes "$NNODES" \
     --node-rank "$NODE_RANK" \
     --nproc-per-node "$NPROC_PER_NODE" \

@@ -6,7 +6,8 @@
 #
 # NPROC: processes (GPUs) on this node; a leading integer argument wins over the variable.
 #        Default: the number of GPUs nvidia-smi lists, else 1.
-# TORCHRUN: the torchrun to use. Default: .venv/bin/torchrun in the repository if present, else torchrun.
+# TORCHRUN: the torchrun to use. Default: python -m miles.launch (torchrun with quiet refusals; the
+#           repository's .venv python if present).
 # Extra torchrun flags: TORCHRUN_ARGS="--max-restarts 0 ..." (word-split).
 set -euo pipefail
 
@@ -20,13 +21,19 @@ if [[ -z "${NPROC:-}" ]]; then
     NPROC="$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)"
     [[ "${NPROC:-0}" -ge 1 ]] || NPROC=1
 fi
-if [[ -z "${TORCHRUN:-}" ]]; then
-    if [[ -x "$ROOT/.venv/bin/torchrun" ]]; then TORCHRUN="$ROOT/.venv/bin/torchrun"; else TORCHRUN=torchrun; fi
+# The launcher: TORCHRUN if set; else torchrun through miles.launch (a refusal ends in one line and
+# exit code 2, a Ctrl-C in 130, no launcher traceback), with the repository's venv if it has one.
+if [[ -n "${TORCHRUN:-}" ]]; then
+    LAUNCHER=("$TORCHRUN")
+else
+    if [[ -x "$ROOT/.venv/bin/python" ]]; then PYTHON="$ROOT/.venv/bin/python"; else PYTHON=python3; fi
+    export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+    LAUNCHER=("$PYTHON" -m miles.launch)
 fi
 # After a Ctrl-C or SIGTERM the trainer saves a checkpoint (miles/train/stop.py); torchrun waits
 # this long for it before killing the workers (torch's default is 30 s).
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-100}"
 
 # shellcheck disable=SC2086  # TORCHRUN_ARGS is meant to be word-split
-exec "$TORCHRUN" --standalone --nnodes 1 --nproc-per-node "$NPROC" ${TORCHRUN_ARGS:-} \
+exec "${LAUNCHER[@]}" --standalone --nnodes 1 --nproc-per-node "$NPROC" ${TORCHRUN_ARGS:-} \
     "$ROOT/train_grpo.py" "$@"

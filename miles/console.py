@@ -8,6 +8,7 @@ import os
 import sys
 
 import torch.distributed as dist
+from tqdm import tqdm
 
 
 def rank() -> int:
@@ -30,3 +31,9 @@ def configure_library_progress(show: bool) -> None:
 
     for lib in (diffusers_logging, transformers_logging):
         (lib.enable_progress_bar if show else lib.disable_progress_bar)()
+
+
+def progress_bar(items=None, desc: str = "", show: bool = False, total: int | None = None) -> tqdm:
+    """A progress bar where ``show`` (:func:`show_progress`: rank 0 on a terminal), cleared when
+    done; elsewhere a no-op with the same interface."""
+    return tqdm(items, desc=desc, total=total, leave=False, disable=not show)

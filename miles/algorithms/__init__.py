@@ -1,38 +1,39 @@
-"""RL algorithms behind one seam (``miles.algorithms.base``), chosen by ``algorithm.name``."""
+"""RL algorithms behind one seam (``miles.algorithms.base``), chosen by ``algorithm.name``.
+
+Each algorithm's file declares the algorithm, its options dataclass (its config section, with its
+``RANGES``) and its ``check(cfg)``, and registers them (``miles.algorithms.registry``). Adding an
+algorithm is its file and one import line below.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from miles.algorithms.base import Algorithm, Policy
+from miles.algorithms.registry import (
+    algorithm_errors,
+    algorithm_exclusive_sections,
+    algorithm_help,
+    algorithm_names,
+    algorithm_option_classes,
+    build_algorithm,
+    register_algorithm,
+    registered_algorithms,
+)
 
-_REGISTRY: dict[str, Callable[..., Algorithm]] = {}
+# The registration order is the order of the config's sections and of algorithm.name's choices.
+# isort: off
+from miles.algorithms import flow_grpo  # noqa: E402,F401  (registers flow_grpo, grpo_guard; section grpo)
+from miles.algorithms import diffusion_nft, awm, dgpo, online_dpo, sft  # noqa: E402,F401
+# isort: on
 
-
-def register_algorithm(name: str):
-    """Class decorator: make ``name`` selectable as ``algorithm.name``."""
-
-    def decorator(cls):
-        if name in _REGISTRY:
-            raise ValueError(f"algorithm {name!r} is already registered")
-        _REGISTRY[name] = cls
-        return cls
-
-    return decorator
-
-
-def registered_algorithms() -> list[str]:
-    return sorted(_REGISTRY)
-
-
-def build_algorithm(cfg) -> Algorithm:
-    """The algorithm of ``cfg.algorithm.name``, built from the whole config."""
-    name = cfg.algorithm.name
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown algorithm.name {name!r}; registered: {registered_algorithms()}")
-    return _REGISTRY[name](cfg)
-
-
-from miles.algorithms import awm, dgpo, diffusion_nft, flow_grpo, online_dpo, sft  # noqa: E402,F401  (registers)
-
-__all__ = ["Algorithm", "Policy", "build_algorithm", "register_algorithm", "registered_algorithms"]
+__all__ = [
+    "Algorithm",
+    "Policy",
+    "algorithm_errors",
+    "algorithm_exclusive_sections",
+    "algorithm_help",
+    "algorithm_names",
+    "algorithm_option_classes",
+    "build_algorithm",
+    "register_algorithm",
+    "registered_algorithms",
+]

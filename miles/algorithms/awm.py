@@ -22,10 +22,12 @@ weights, so the ratio is 1 and the clip never engages; the gradient is the refer
 
 from __future__ import annotations
 
+import dataclasses
+from typing import ClassVar, Literal
+
 import torch
 from torch import Tensor
 
-from miles.algorithms import register_algorithm
 from miles.algorithms.base import Policy
 from miles.algorithms.matching import (
     OnPolicyMatching,
@@ -39,10 +41,55 @@ from miles.algorithms.matching import (
     velocity,
     velocity_gap,
 )
+from miles.algorithms.registry import register_algorithm
 from miles.rollout.batch import MicroBatch, RolloutBatch
 
 _METRICS = ("loss", "policy_loss", "matching_loss", "kl", "ema_kl")
 _EPS = 1e-10
+
+
+@dataclasses.dataclass(kw_only=True)
+class AWMConfig:
+    """``awm``: Advantage Weighted Matching's loss and its lagging copy."""
+
+    RANGES: ClassVar[dict[str, tuple[str, str]]] = {
+        "num_levels": ("[1, 1000]", ""),
+        "timestep_fraction": ("(0, 1]", ""),
+        "ghuber_power": ("(0, 10]", "the reference uses 0.25"),
+        "advantage_max": ("[0, 1000]", "0 keeps the advantage unscaled"),
+        "kl_beta": ("[0, 1e6]", "0 turns the KL term off"),
+        "ema_kl_beta": ("[0, 1e6]", "0 turns the EMA term off"),
+        "ema_decay_rate": ("[0, 1]", ""),
+        "ema_decay_max": ("[0, 1)", ""),
+    }
+    """The numeric ranges of its fields (``miles.config.RANGES`` rules)."""
+
+    num_levels: int = 4
+    """Noise levels each sample is trained at per optimizer step, drawn without replacement from the
+    first floor(timestep_fraction * rollout.num_steps) levels of the rollout's grid (the reference's
+    ``train_timesteps``: 6 of 14)."""
+    timestep_fraction: float = 0.9
+    """The levels are drawn from the first floor(fraction * rollout.num_steps) of the rollout's noise
+    levels (the reference: 0.9)."""
+    weighting: Literal["uniform", "t", "t2", "huber", "ghuber"] = "ghuber"
+    """The matching term's weighting w(σ, e) of the per-sample flow-matching error e: ``uniform`` e,
+    ``t`` σ·e, ``t2`` σ²·e, ``huber`` σ·(√e − 1e-5), ``ghuber`` σ·(e^p − ε^p)/p with p = ghuber_power
+    (the reference's PickScore recipe)."""
+    ghuber_power: float = 0.25
+    """p of the ``ghuber`` weighting."""
+    advantage_max: float = 1.0
+    """The clipped advantage is rescaled to [-advantage_max, advantage_max] (A · advantage_max /
+    grpo.adv_clip_max, the reference's ``advantage_max``); 0 keeps it unscaled."""
+    kl_beta: float = 1e-4
+    """β, the weight of mean((v − v_ref)²) to the reference (initial) policy; 0 turns it off."""
+    ema_kl_beta: float = 1.0
+    """The weight of mean((v − v_ema)²) to a lagging copy of the weights (the reference's ``ema_beta``);
+    0 turns it off and keeps no copy."""
+    ema_decay_rate: float = 0.001
+    """The lagging copy moves towards the trained weights after each rollout with decay
+    min(rate · step, ema_decay_max) (the reference's ``linear`` schedule: 0.001, 0.3)."""
+    ema_decay_max: float = 0.3
+    """The lagging copy's largest decay."""
 
 
 def awm_log_prob(err: Tensor, sigma: float | Tensor, weighting: str, power: float = 0.25) -> Tensor:
@@ -72,9 +119,10 @@ def awm_policy_loss(log_prob: Tensor, advantages: Tensor) -> Tensor:
     return (-advantages * torch.exp(log_prob - log_prob.detach())).mean()
 
 
-@register_algorithm("awm")
+@register_algorithm("awm", options=AWMConfig, section="awm")
 class AWM(OnPolicyMatching):
     name = "awm"
+    summary = "Advantage Weighted Matching — ODE rollouts, the pretraining flow-matching loss on their clean samples weighted by the group advantage (section ``awm``)."
 
     def __init__(self, cfg):
         self.awm, self.grpo = cfg.awm, cfg.grpo

@@ -47,6 +47,8 @@ class Algorithm(abc.ABC):
     """One RL algorithm behind the loop; subclasses register with ``@register_algorithm``."""
 
     name: str = ""
+    summary: str = ""
+    """One line for ``algorithm.name``'s ``--help``: what it rolls out, its loss, its config section."""
     uses_old_policy: bool = False
     """Whether the trainer keeps an old policy: a sharded copy of the experts that samples the
     rollouts and that ``after_rollout`` moves towards the trained weights."""
@@ -61,6 +63,13 @@ class Algorithm(abc.ABC):
     uses_rewards: bool = True
     """Whether training reads the batch's rewards and advantages; False skips decoding and scoring
     (the logged training reward is then 0: such an algorithm is measured by held-out evaluation)."""
+
+    @classmethod
+    def check(cls, cfg) -> list[str]:
+        """The refusals of the whole config ``cfg`` that concern this algorithm (combinations it
+        cannot run), each naming the setting to change; the config's validation raises the first.
+        Its options' ranges are its options class's ``RANGES``, checked with every other range."""
+        return []
 
     @abc.abstractmethod
     def sde_steps(self, num_steps: int, generator: torch.Generator) -> list[int]:

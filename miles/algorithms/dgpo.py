@@ -29,10 +29,12 @@ once per rollout rather than per optimizer step (the same at one step per rollou
 
 from __future__ import annotations
 
+import dataclasses
+from typing import ClassVar
+
 import torch
 from torch import Tensor
 
-from miles.algorithms import register_algorithm
 from miles.algorithms.base import Policy
 from miles.algorithms.matching import (
     OnPolicyMatching,
@@ -47,9 +49,59 @@ from miles.algorithms.matching import (
     velocity,
     velocity_gap,
 )
+from miles.algorithms.registry import register_algorithm
 from miles.rollout.batch import MicroBatch, RolloutBatch
 
 _METRICS = ("loss", "policy_loss", "matching_loss", "kl", "group_weight", "clipfrac")
+
+
+@dataclasses.dataclass(kw_only=True)
+class DGPOConfig:
+    """``dgpo``: Direct Group Preference Optimization's loss and its lagging copy."""
+
+    RANGES: ClassVar[dict[str, tuple[str, str]]] = {
+        "num_levels": ("[1, 1000]", ""),
+        "timestep_fraction": ("(0, 1]", ""),
+        "beta_dpo": ("(0, 1e6]", "the reference uses 10-100, 2000-5000 with ema_reference"),
+        "kl_beta": ("[0, 1e6]", "0 turns the KL term off"),
+        "reference_guidance_scale": ("[1, 100]", "1: the reference without CFG"),
+        "clip_range": ("[0, 100]", "0 turns the clip off"),
+        "old_decay_rate": ("[0, 1]", ""),
+        "old_decay_max": ("[0, 1)", ""),
+    }
+    """The numeric ranges of its fields (``miles.config.RANGES`` rules)."""
+
+    num_levels: int = 4
+    """Noise levels trained per optimizer step, the same for every sample (the reference's
+    ``num_train_timesteps``)."""
+    timestep_fraction: float = 0.7
+    """The levels are drawn without replacement from the first floor(fraction * rollout.num_steps) of
+    the rollout's noise levels (the reference's ``trunc_steps`` 6 of 10 steps: 0.7)."""
+    beta_dpo: float = 100.0
+    """β of the group preference: each group's weight is sigmoid(β · Σ_i A_i (e_i − e_ref,i) / n)
+    over its n samples in the step (the reference: 10–100; 2000–5000 with ``ema_reference``)."""
+    kl_beta: float = 1e-3
+    """The weight of mean((v − v_ref)²) to the reference policy (the reference's ``train.beta``); 0:
+    off."""
+    reference_guidance_scale: float = 1.0
+    """CFG scale of the frozen reference's velocity (the reference's ``kl_cfg``). 1: no CFG (the
+    "rollout with CFG, train without" mode, rollout.guidance_scale > 1); > 1 (e.g. 4.5) with
+    rollout.guidance_scale 1 is the fully CFG-free mode: the trained conditional branch is pulled to
+    the reference's guided velocity."""
+    clip_range: float = 1e-3
+    """PPO-style clip on the matching term: a sample whose ratio exp(e_old − e) leaves [1 − c, 1 + c]
+    on its advantage's side is not trained (the reference's ``clip_dsm``); 0 turns the clip off and
+    keeps no lagging copy (unless ``ema_reference``)."""
+    ema_reference: bool = False
+    """The preference compares against the lagging copy instead of the frozen reference (the
+    reference's ``use_ema_ref``, TDM-R1)."""
+    shared_noise: bool = True
+    """All samples of a group are noised with the same forward-process noise at a level."""
+    old_decay_rate: float = 0.001
+    """The lagging copy moves towards the trained weights after each rollout with decay
+    min(rate · step, old_decay_max) (the reference: 0.001, 0.3)."""
+    old_decay_max: float = 0.3
+    """The lagging copy's largest decay."""
 
 
 def group_weights(err: Tensor, err_ref: Tensor, adv: Tensor, group_ids: Tensor, beta: float) -> Tensor:
@@ -84,9 +136,10 @@ def dgpo_coefficients(
     return coef, w, clip
 
 
-@register_algorithm("dgpo")
+@register_algorithm("dgpo", options=DGPOConfig, section="dgpo")
 class DGPO(OnPolicyMatching):
     name = "dgpo"
+    summary = "Direct Group Preference Optimization — ODE rollouts, a group-level preference loss on the flow-matching errors (section ``dgpo``)."
 
     def __init__(self, cfg):
         self.dgpo, self.grpo = cfg.dgpo, cfg.grpo

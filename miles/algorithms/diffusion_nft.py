@@ -27,16 +27,53 @@ different experts' shards into one another: a silent, dp-dependent error).
 
 from __future__ import annotations
 
+import dataclasses
+from typing import ClassVar
+
 import torch
 from torch import Tensor
 
-from miles.algorithms import register_algorithm
 from miles.algorithms.base import Algorithm, Policy
+from miles.algorithms.registry import register_algorithm
+from miles.config_load import MAX_STEPS
 from miles.rollout.batch import MicroBatch, RolloutBatch
 from miles.rollout.condition import generated
 from miles.rollout.sampler import NUM_TRAIN_TIMESTEPS, flow_sigmas, predict_velocity
 
 _METRICS = ("loss", "policy_loss", "positive_loss", "negative_loss", "old_deviation", "kl")
+
+
+@dataclasses.dataclass(kw_only=True)
+class NFTConfig:
+    """``nft``: DiffusionNFT's loss and its old policy."""
+
+    RANGES: ClassVar[dict[str, tuple[str, str]]] = {
+        "beta": ("(0, 100]", "the reference uses 1.0"),
+        "timestep_fraction": ("(0, 1]", ""),
+        "old_decay_rate": ("[0, 1]", ""),
+        "old_decay_max": ("[0, 1)", ""),
+        "old_decay_flat": (f"[0, {MAX_STEPS}]", ""),
+        "kl_beta": ("[0, 1e6]", "0 turns the KL term off"),
+    }
+    """The numeric ranges of its fields (``miles.config.RANGES`` rules)."""
+
+    beta: float = 1.0
+    """DiffusionNFT's beta: the implicit policies are v+ = beta*v + (1-beta)*v_old and
+    v- = (1+beta)*v_old - beta*v (the reference uses 1.0, and 0.1 for OCR)."""
+    timestep_fraction: float = 0.99
+    """Train on floor(fraction * rollout.num_steps) of the rollout's noise levels per micro-batch,
+    drawn without replacement (the reference: 0.99, i.e. 9 of 10)."""
+    old_decay_rate: float = 0.001
+    """Old-policy soft update: decay = min(rate * (step - flat), max) after each rollout, 0 before
+    ``old_decay_flat`` steps (the reference's decay_type 1: 0.001, 0.5, 0; type 2: 0.0075, 0.999, 75)."""
+    old_decay_max: float = 0.5
+    """Old-policy soft update: the largest decay (``old_decay_rate``'s cap)."""
+    old_decay_flat: int = 0
+    """Old-policy soft update: steps before the decay starts (until then the decay is 0: the old
+    policy is set to the trained one after each rollout)."""
+    kl_beta: float = 0.0
+    """β, the weight of the penalty β·mean((v − v_ref)²) on the velocity's distance to the reference
+    (initial) policy's; 0 turns it off (the DiffusionNFT reference uses 1e-4 with LoRA)."""
 
 
 def optimality(advantages: Tensor, adv_clip_max: float) -> Tensor:
@@ -71,9 +108,10 @@ def old_decay(step: int, rate: float, max_decay: float, flat: int) -> float:
     return 0.0 if step < flat else min((step - flat) * rate, max_decay)
 
 
-@register_algorithm("diffusion_nft")
+@register_algorithm("diffusion_nft", options=NFTConfig, section="nft")
 class DiffusionNFT(Algorithm):
     name = "diffusion_nft"
+    summary = "ODE rollouts of an old policy and the forward-process loss on their clean samples, CFG-free (section ``nft``; advantages from ``grpo``)."
     uses_old_policy = True
 
     def __init__(self, cfg):

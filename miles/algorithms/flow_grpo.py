@@ -27,12 +27,14 @@ sample-step is weighted by the truncated importance weight against the FP8 rollo
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import ClassVar, Literal
 
 import torch
 
-from miles.algorithms import register_algorithm
 from miles.algorithms.base import Algorithm, Policy
+from miles.algorithms.registry import register_algorithm
 from miles.algorithms.rollout_correction import RolloutCorrection
 from miles.grpo.losses import grpo_policy_loss
 from miles.rollout.batch import MicroBatch, RolloutBatch
@@ -42,9 +44,47 @@ from miles.rollout.sde import sde_std_dev, wan_sde_std_dev
 _METRICS = ("loss", "policy_loss", "kl", "clipfrac", "approx_kl", "ratio")
 
 
-@register_algorithm("flow_grpo")
+@dataclasses.dataclass(kw_only=True)
+class GRPOConfig:
+    """``grpo``: Flow-GRPO's loss, and the group advantages that every algorithm trained on rewards reads."""
+
+    RANGES: ClassVar[dict[str, tuple[str, str]]] = {
+        "clip_range": ("(0, 100]", "Flow-GRPO uses 1e-4"),
+        "adv_clip_max": ("(0, 1000]", ""),
+        "kl_beta": ("[0, 1e6]", "0 turns the KL term off"),
+    }
+    """The numeric ranges of its fields (``miles.config.RANGES`` rules)."""
+
+    clip_range: float = 1e-4
+    """PPO ratio clip epsilon (Flow-GRPO uses 1e-4: per-step log-probs are averaged over many dims)."""
+    adv_clip_max: float = 5.0
+    """Advantages are clipped to [-adv_clip_max, adv_clip_max]."""
+    global_std: bool = False
+    """Normalise advantages by the std over all samples instead of per group."""
+    kl_beta: float = 0.0
+    """β, the weight of the KL penalty to the reference (initial) policy: loss = policy loss +
+    β·KL, KL the exact KL between the current and the reference policy's Gaussian SDE steps,
+    mean((μ − μ_ref)²) / (2σ_t²|dt|) per latent element, averaged over the trained steps (as
+    flow_grpo's Wan script computes it). flow_grpo's SD3 script divides by 2σ_t² (no |dt|): its β
+    is this β / |dt|. 0 turns it off."""
+    step_loss_weight: Literal["none", "sigma_over_sqrt_dt"] = "none"
+    """Per-SDE-step weight of the policy loss: ``none`` (every step alike, the paper's and flow_grpo's
+    SD3 script), or ``sigma_over_sqrt_dt``: sigma_t / sqrt(|dt|) with sigma_t the chosen SDE's noise
+    scale. With rollout.sde_type flow_grpo_wan this is flow_grpo's Wan-script weight exactly; with
+    ``sde`` it puts that form on the SD3 noise (no flow_grpo script does). ``grpo_guard`` weights by
+    1/|dt| itself (leave this ``none``)."""
+    train_cfg: bool = True
+    """Recompute the log-probs with the rollout's CFG (true), or from the conditional branch alone
+    (false: no-CFG training, flow_grpo's ``train.cfg``; roll out with guidance_scale 1 to stay on-policy)."""
+    negate_advantages: bool = False
+    """Negative control for learning benchmarks: train on the negated advantages (a run that must
+    not improve its reward)."""
+
+
+@register_algorithm("flow_grpo", options=GRPOConfig, section="grpo")
 class FlowGRPO(Algorithm):
     name = "flow_grpo"
+    summary = "SDE rollouts with per-step log-probs and the clipped-ratio loss (section ``grpo``)."
     ratio_norm = False
 
     def __init__(self, cfg):
@@ -52,6 +92,16 @@ class FlowGRPO(Algorithm):
         self.uses_reference = cfg.grpo.kl_beta > 0
         # rollout.precision fp8: bf16 old log-probs and truncated importance weights (docs/fp8_rollout.md)
         self.correction = RolloutCorrection(cfg.rollout.tis_cap) if cfg.rollout.precision != "bf16" else None
+
+    @classmethod
+    def check(cls, cfg) -> list[str]:
+        errors = super().check(cfg)
+        if cfg.rollout.noise_level <= 0:
+            errors.append(
+                f"rollout.noise_level must be > 0 with algorithm.name {cfg.algorithm.name} (its SDE steps' "
+                f"log-probabilities divide by the noise), got {cfg.rollout.noise_level!r}"
+            )
+        return errors
 
     def sde_steps(self, num_steps: int, generator: torch.Generator) -> list[int]:
         r = self.rollout
@@ -150,11 +200,30 @@ class FlowGRPO(Algorithm):
         return {**sums, "log_prob_mean_abs_diff": canary, **drift}
 
 
-@register_algorithm("grpo_guard")
+@register_algorithm("grpo_guard", options=GRPOConfig, section="grpo")
 class GRPOGuard(FlowGRPO):
     name = "grpo_guard"
+    summary = "Flow-GRPO with GRPO-Guard's normalised ratio and 1/|dt| step weights (``grpo``; needs rollout.sde_type sde)."
     ratio_norm = True
     records_means = True
+
+    @classmethod
+    def check(cls, cfg) -> list[str]:
+        errors = super().check(cfg)
+        if cfg.rollout.precision != "bf16":
+            errors.append(
+                "rollout.precision fp8 corrects Flow-GRPO's plain ratio; GRPO-Guard's normalised ratio would need "
+                "the bf16 policy's old means: use algorithm.name flow_grpo or rollout.precision bf16"
+            )
+        if cfg.rollout.sde_type != "sde":
+            errors.append(
+                "algorithm.name grpo_guard normalises the ratio of Flow-GRPO's SDE: set rollout.sde_type sde"
+            )
+        if cfg.grpo.step_loss_weight != "none":
+            errors.append(
+                "algorithm.name grpo_guard weights every SDE step by 1/|dt| itself: set grpo.step_loss_weight none"
+            )
+        return errors
 
     def _step_weight(self, ro, k: int) -> float:
         """GRPO-Guard's gradient reweighting: 1/|dt| of SDE step k."""

@@ -25,11 +25,13 @@ pair; pairs stay within a rank's optimizer step (the whole group at ``train.step
 
 from __future__ import annotations
 
+import dataclasses
+from typing import ClassVar, Literal
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from miles.algorithms import register_algorithm
 from miles.algorithms.base import Algorithm, Policy
 from miles.algorithms.matching import (
     check_group_per_step,
@@ -42,9 +44,44 @@ from miles.algorithms.matching import (
     trained_part,
     velocity,
 )
+from miles.algorithms.registry import register_algorithm
+from miles.config_load import MAX_STEPS
 from miles.rollout.batch import MicroBatch, RolloutBatch
 
 _METRICS = ("loss", "implicit_accuracy", "pairs_per_group", "matching_loss", "reference_matching_loss")
+
+
+@dataclasses.dataclass(kw_only=True)
+class DPOConfig:
+    """``dpo``: online Diffusion-DPO's pairs, loss and reference."""
+
+    RANGES: ClassVar[dict[str, tuple[str, str]]] = {
+        "beta": ("(0, 1e6]", "flow_grpo's SD3 recipe uses 100"),
+        "reward_margin": ("[0, 1e6]", ""),
+        "num_levels": ("[1, 1000]", ""),
+        "timestep_fraction": ("(0, 1]", ""),
+        "ref_update_every": (f"[0, {MAX_STEPS}]", "0 keeps the initial weights as the reference"),
+    }
+    """The numeric ranges of its fields (``miles.config.RANGES`` rules)."""
+
+    beta: float = 100.0
+    """β of Diffusion-DPO: loss −log σ(−β/2 · ((e_w − e_w,ref) − (e_l − e_l,ref))) per pair and level
+    (flow_grpo's SD3 recipe: 100)."""
+    pairs: Literal["best_worst", "margin"] = "best_worst"
+    """Pair selection within each group's samples of an optimizer step: ``best_worst`` (the highest
+    against the lowest advantage, flow_grpo's online DPO), or ``margin``: every pair whose rewards
+    differ by more than ``reward_margin``."""
+    reward_margin: float = 0.0
+    """A pair is trained only if its two rewards differ by more than this (both pair modes)."""
+    num_levels: int = 4
+    """Noise levels trained per optimizer step, the same for every sample; both members of a pair are
+    noised with the same noise."""
+    timestep_fraction: float = 0.9
+    """The levels are drawn without replacement from the first floor(fraction * rollout.num_steps) of
+    the rollout's noise levels."""
+    ref_update_every: int = 0
+    """The reference policy: 0 keeps the initial weights (offline-style DPO); N > 0 sets it to the
+    trained weights every N rollouts (flow_grpo's ``ref_update_step``: online DPO)."""
 
 
 def select_pairs(adv: Tensor, rewards: Tensor, group_ids: Tensor, mode: str, margin: float) -> list[list]:
@@ -86,9 +123,10 @@ def dpo_coefficients(
     return coef, loss, torch.cat(zs) if zs else delta.new_zeros(0)
 
 
-@register_algorithm("online_dpo")
+@register_algorithm("online_dpo", options=DPOConfig, section="dpo")
 class OnlineDPO(Algorithm):
     name = "online_dpo"
+    summary = "Diffusion-DPO on pairs drawn from each group of ODE rollouts (section ``dpo``)."
 
     def __init__(self, cfg):
         self.dpo, self.steps_per_rollout = cfg.dpo, cfg.train.steps_per_rollout

@@ -22,17 +22,49 @@ index, so dp and sp layouts draw the same numbers.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import ClassVar, Literal
+
 import torch
 from torch import Tensor
 
-from miles.algorithms import register_algorithm
 from miles.algorithms.base import Algorithm, Policy
-from miles.parallel.fsdp import compute_dtype
+from miles.algorithms.registry import register_algorithm
+from miles.dtypes import compute_dtype
 from miles.rollout.batch import MicroBatch, RolloutBatch
 from miles.rollout.condition import generated
 from miles.rollout.sampler import NUM_TRAIN_TIMESTEPS
 
 _METRICS = ("loss", "sigma_mean")
+
+
+@dataclasses.dataclass(kw_only=True)
+class SFTConfig:
+    """``sft``: supervised flow matching on a video dataset."""
+
+    RANGES: ClassVar[dict[str, tuple[str, str]]] = {
+        "shift": ("(0, 100]", "1: no shift; unset: rollout.shift"),
+        "logit_mean": ("[-10, 10]", "SD3 uses 0"),
+        "logit_std": ("(0, 10]", "SD3 uses 1"),
+        "caption_dropout": ("[0, 1)", ""),
+    }
+    """The numeric ranges of its fields (``miles.config.RANGES`` rules)."""
+
+    timestep_sampling: Literal["uniform", "logit_normal"] = "uniform"
+    """How ``algorithm.name sft`` draws each sample's noise level before the shift: ``uniform`` u ~ U(0, 1),
+    or ``logit_normal`` u = sigmoid(logit_mean + logit_std * N(0, 1)) (SD3); then sigma = shift*u / (1 + (shift - 1)*u)."""
+    shift: float | None = None
+    """The time shift applied to u (Wan: 3.0 at 480p, 5.0 at 720p); None: rollout.shift; 1: none."""
+    logit_mean: float = 0.0
+    """``logit_normal``: the mean of the normal before the sigmoid."""
+    logit_std: float = 1.0
+    """``logit_normal``: its standard deviation."""
+    caption_dropout: float = 0.0
+    """Fraction of samples trained on the negative prompt's embedding instead of their caption (keeps
+    the unconditional branch that CFG needs; Wan-style fine-tunes use about 0.1)."""
+    cache_latents: bool = True
+    """Keep each video's VAE latents under ``<run>/sft_latents`` (encoded once; resumes and later epochs
+    read them back). False encodes every video each time it is drawn."""
 
 
 def shifted(u: Tensor, shift: float) -> Tensor:
@@ -90,11 +122,21 @@ def conditional_velocity(
     return out.float()
 
 
-@register_algorithm("sft")
+@register_algorithm("sft", options=SFTConfig, section="sft")
 class SFT(Algorithm):
     name = "sft"
+    summary = 'supervised flow matching on the videos of data.prompt_file, a JSONL of {"video", "prompt"} (section ``sft``; no rollouts, no rewards in training).'
     batch_source = "videos"
     uses_rewards = False
+
+    @classmethod
+    def check(cls, cfg) -> list[str]:
+        errors = super().check(cfg)
+        if not (cfg.data.prompt_file or "").endswith(".jsonl"):
+            errors.append(
+                'algorithm.name sft trains on data.prompt_file: set it to a .jsonl of {"video": ..., "prompt": ...}'
+            )
+        return errors
 
     def __init__(self, cfg):
         self.sft = cfg.sft

@@ -70,11 +70,33 @@ def _compute_in(transformer, dtype: str) -> None:
             p.data = p.data.to(torch.bfloat16)
 
 
+def _options(required: bool = True) -> argparse.ArgumentParser:
+    """Eval's own options; every other flag is a config field, as for ``train_grpo.py``."""
+    pre = argparse.ArgumentParser(
+        prog="python -m miles.eval",
+        add_help=False,
+        description=__doc__.split("The recipe gives")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Every other option is a config field, given as for train_grpo.py (--config FILE, "
+        "--eval.prompt-file FILE, --eval.num-seeds N, --model.path DIR, ...): `python train_grpo.py "
+        "--help` lists them all.",
+    )
+    pre.add_argument(
+        "--out", type=Path, required=required, help="folder for eval.json and the video grid (required)"
+    )
+    pre.add_argument(
+        "--checkpoint",
+        type=Path,
+        default=None,
+        help="a training checkpoint (runs/NAME/checkpoints/step_N): its base model, LoRA settings and "
+        "trained weights (default: the model of --model.path / the recipe, untrained)",
+    )
+    pre.add_argument("-h", "--help", action="store_true", help="show this help and exit")
+    return pre
+
+
 def _parse(argv: list[str] | None) -> tuple[Config, Path, Path | None]:
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--out", type=Path, required=True)
-    pre.add_argument("--checkpoint", type=Path, default=None)
-    opts, rest = pre.parse_known_args(argv)
+    opts, rest = _options().parse_known_args(argv)
     cfg, _ = parse_args(rest)
     check_writable(opts.out, what="--out")  # found now, not after the sampling
     if opts.checkpoint is not None:
@@ -89,10 +111,14 @@ def _parse(argv: list[str] | None) -> tuple[Config, Path, Path | None]:
 def main(argv: list[str] | None = None) -> int:
     from miles.data.prompts import check_prompt_images, load_prompts
     from miles.eval.evaluate import eval_settings, evaluate, summarize, write_eval
-    from miles.models.wan import load_wan
+    from miles.models.family import family_of, model_folder
     from miles.rewards.from_config import build_configured_rewards
     from miles.rewards.shaping import EvalRewards
 
+    argv = sys.argv[1:] if argv is None else argv
+    if "-h" in argv or "--help" in argv:  # eval's own help, not the trainer's (and --out not needed)
+        _options(required=False).print_help()
+        return 0
     try:
         cfg, out, checkpoint = _parse(argv)
         configure_library_progress(show_progress(cfg.run.progress))  # no bars into a redirected log
@@ -103,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         device = device or torch.device("cpu")
         rewards = EvalRewards(*build_configured_rewards(cfg.reward, device))
-        model = load_wan(cfg.model, device)
+        model = family_of(model_folder(cfg.model)).load(cfg.model, device)
         image_to_video = model.condition_mode is not None
         check_prompt_images(held_out, cfg.eval.prompt_file, image_to_video)  # image-to-video: an image each
         if checkpoint is not None:
@@ -132,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         dp_group=dist.group.WORLD if world > 1 else None,
         keep_videos=rank == 0 and cfg.eval.log_videos,
         images=[p.image for p in held_out] if image_to_video else None,
+        progress=show_progress(cfg.run.progress),  # rank 0 on a terminal
     )
     if rank == 0:
         paths = write_eval(result, out, "eval")

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from miles.console import progress_bar
 from miles.rollout.condition import conditions_of
 from miles.rollout.guidance import guidance_scales
 from miles.rollout.sampler import begin_sampling, expert_phases, predict_velocity, sample_with_logprob
@@ -157,6 +158,7 @@ def evaluate(
     images: Sequence | None = None,
     encode: Callable[[list[str]], tuple[torch.Tensor, torch.Tensor]] | None = None,
     gather: Callable[[list[nn.Module]], contextlib.AbstractContextManager] | None = None,
+    progress: bool = False,
 ) -> dict:
     """Sample and score ``prompts`` x ``num_seeds`` (collective over the dp group when dp_size > 1).
 
@@ -167,7 +169,8 @@ def evaluate(
     ``encode(texts)``: (prompt, negative) embeddings (default: ``model.encode_prompts``; the trainer
     passes its prompt cache). ``gather(experts)``: a context holding those experts' full weights
     (the trainer's ``unsharded_for_rollout``): the ``rollout`` sampler gathers one expert at a time
-    over all of this rank's micro-batches, the ``pipeline`` sampler both at once.
+    over all of this rank's micro-batches, the ``pipeline`` sampler both at once. ``progress``:
+    bars for the sampling and the scoring (:func:`miles.console.show_progress`: rank 0 on a terminal).
     """
     if settings.sampler not in ("rollout", "pipeline"):
         raise ValueError(f"eval.sampler must be rollout or pipeline, got {settings.sampler!r}")
@@ -192,10 +195,12 @@ def evaluate(
             chunk_images = [images[samples[j][0]] for j in idx]
             condition = conditions_of(model, chunk_images, **size)
         inputs.append((texts, chunk_images, pos, neg, noise.to(device), condition))
-    finals = _sample_all(model, inputs, settings, gather or (lambda experts: contextlib.nullcontext()))
+    no_gather = lambda experts: contextlib.nullcontext()  # noqa: E731
+    finals = _sample_all(model, inputs, settings, gather or no_gather, progress)
     scores = torch.zeros(1 + len(rewards.names), len(samples), dtype=torch.float64)
     videos: dict[int, torch.Tensor] = {}
-    for idx, (texts, chunk_images, *_), final in zip(mine, inputs, finals):
+    scoring = progress_bar(list(zip(mine, inputs, finals)), "eval: decode and score", progress)
+    for idx, (texts, chunk_images, *_), final in scoring:
         video = model.decode(final)
         scored = (video, texts) if chunk_images is None else (video, texts, chunk_images)
         combined, per_reward = rewards(*scored)
@@ -218,13 +223,16 @@ def evaluate(
 
 
 @torch.no_grad()
-def _sample_all(model, inputs: list[tuple], settings: EvalSettings, gather) -> list[torch.Tensor]:
+def _sample_all(
+    model, inputs: list[tuple], settings: EvalSettings, gather, progress: bool = False
+) -> list[torch.Tensor]:
     """The clean latents of every micro-batch's (…, pos, neg, noise, condition): the ``rollout``
     sampler one expert at a time over all micro-batches (bitwise each sampled alone), the
     ``pipeline`` sampler (per-call scheduler state) micro-batch by micro-batch with both gathered."""
     if settings.sampler == "pipeline":
         with gather(list(model.transformers)):
-            return [_sample(model, pos, neg, noise, settings, cond) for *_, pos, neg, noise, cond in inputs]
+            bar = progress_bar(inputs, "eval: sample", progress)
+            return [_sample(model, pos, neg, noise, settings, cond) for *_, pos, neg, noise, cond in bar]
     runs = [
         begin_sampling(
             pos,
@@ -238,10 +246,13 @@ def _sample_all(model, inputs: list[tuple], settings: EvalSettings, gather) -> l
         for *_, pos, neg, noise, cond in inputs
     ]
     experts = model.transformers
-    for e, start, stop in expert_phases(settings.num_steps, settings.shift, settings.routing, len(experts)):
-        with gather([experts[e]]):
-            for run in runs:
-                run.run_steps(experts, start, stop)
+    phases = expert_phases(settings.num_steps, settings.shift, settings.routing, len(experts))
+    with progress_bar(desc="eval: sample", show=progress, total=len(phases) * len(runs)) as bar:
+        for e, start, stop in phases:
+            with gather([experts[e]]):
+                for run in runs:
+                    run.run_steps(experts, start, stop)
+                    bar.update()
     return [run.finish().final_latents for run in runs]
 
 

@@ -21,11 +21,14 @@ Building twice gives byte-identical files.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
 import tempfile
 from pathlib import Path
+
+from filelock import FileLock
 
 from miles.models.tiny_i2v import I2V_VARIANTS, build_i2v_pipeline
 from miles.models.tiny_t2v import (  # noqa: F401 (the tiny model's parts, named here too)
@@ -48,40 +51,71 @@ def build_pipeline(variant: str = "two_expert"):
     return build_t2v_pipeline(variant)
 
 
+# Written last into a built variant's folder (before it is moved into place): every file and its
+# size. A folder without it, or with a file missing or of another size (an interrupted build, a
+# folder emptied by hand), is rebuilt; ``model_index.json`` alone says nothing about its components.
+MANIFEST = ".complete.json"
+
+
 def build_tiny_models(root: str | Path, force: bool = False) -> Path:
-    """Write every variant under ``root`` (atomically: a half-written folder never appears)."""
+    """Write every variant under ``root``. Each is built in a temporary folder and renamed into
+    place, so a half-written folder never appears; a file lock (``root/.build.lock``) makes the
+    processes that start at once (the ranks of a launch, runs side by side) build each variant
+    once: the first builds, the others wait for it and find the folder complete."""
     root = Path(root)
-    for variant in ALL_VARIANTS:
-        dest = root / variant
-        if _complete(dest) and not force:
-            continue
-        root.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{variant}-"))
-        try:
-            build_pipeline(variant).save_pretrained(tmp, safe_serialization=True)
-            _publish(tmp, dest, force)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+    if not force and all(is_complete(root / v) for v in ALL_VARIANTS):
+        return root  # the common case: no lock, no write (a read-only cache works)
+    root.mkdir(parents=True, exist_ok=True)
+    with FileLock(root / ".build.lock"):
+        for variant in ALL_VARIANTS:
+            dest = root / variant
+            if is_complete(dest) and not force:
+                continue
+            tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{variant}-"))
+            try:
+                build_pipeline(variant).save_pretrained(tmp, safe_serialization=True)
+                _write_manifest(tmp)
+                _publish(tmp, dest)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
     return root
 
 
-def _complete(folder: Path) -> bool:
-    return folder.is_dir() and (folder / "model_index.json").is_file()
+def _write_manifest(folder: Path) -> None:
+    files = {
+        p.relative_to(folder).as_posix(): p.stat().st_size for p in sorted(folder.rglob("*")) if p.is_file()
+    }
+    (folder / MANIFEST).write_text(json.dumps(files, indent=1, sort_keys=True) + "\n")
 
 
-def _publish(tmp: Path, dest: Path, force: bool) -> None:
-    """Move a built variant into place. Several processes may build at once (runs launched side by
-    side on a fresh cache): a complete folder another one published meanwhile is kept as it is —
-    never removed under a reader — unless ``force`` asks to rebuild it."""
-    if _complete(dest) and not force:
-        return
-    if dest.exists():
-        shutil.rmtree(dest)
+def is_complete(folder: Path) -> bool:
+    """Whether ``folder`` is a whole built variant: its manifest lists every file, each present
+    with its size, and the pipeline's components (``model_index.json``) each have their folder."""
     try:
-        os.replace(tmp, dest)
-    except OSError:  # another process published between the check and the move
-        if not _complete(dest):
-            raise
+        files = json.loads((folder / MANIFEST).read_text())
+        index = json.loads((folder / "model_index.json").read_text())
+    except (OSError, ValueError):
+        return False
+    if not isinstance(files, dict) or not isinstance(index, dict):
+        return False
+    for rel, size in files.items():
+        f = folder / rel
+        if not f.is_file() or f.stat().st_size != size:
+            return False
+    parts = [k for k, v in index.items() if isinstance(v, list) and v and v[0] is not None]
+    return all(any(rel.startswith(f"{k}/") for rel in files) for k in parts)
+
+
+def _publish(tmp: Path, dest: Path) -> None:
+    """Move a built variant into place (under the build lock). An old folder is renamed aside
+    first and removed after, so ``dest`` is never a half-removed folder."""
+    old = None
+    if dest.exists() or dest.is_symlink():
+        old = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}-old-"))
+        os.replace(dest, old / dest.name)
+    os.replace(tmp, dest)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def tiny_model_path(root: str | Path, variant: str) -> Path:

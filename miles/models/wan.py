@@ -78,6 +78,21 @@ class WanRouting:
         }
 
 
+# The VAE decoder's peak working set in bytes per output pixel, per channel of its base width and per
+# byte of its dtype: the live storages through AutoencoderKLWan.decode, tracked on CPU at two widths
+# of each VAE (tests/unit/test_resident_memory.py measures it again). The Wan2.2 VAE (residual,
+# patch 2) runs its last stages at half resolution. Against the GPU rehearsal (81 frames): the Wan2.1
+# VAE at 480x832 kept 8.76 GiB, this says 8.0; the Wan2.2 VAE at 704x1280 20.6, this says 20.0.
+VAE_DECODER_BYTES = {"wan2.1": 51.0, "wan2.2": 21.4}
+
+
+def vae_decoder_memory(vae_config) -> tuple[int, float]:
+    """(d, k) of an AutoencoderKLWan config: the decoder's base width d (decoder_base_dim, else base_dim)
+    and k, its peak bytes per output pixel per channel of d per dtype byte (``VAE_DECODER_BYTES``)."""
+    base = int(getattr(vae_config, "decoder_base_dim", None) or getattr(vae_config, "base_dim", 96) or 96)
+    return base, VAE_DECODER_BYTES["wan2.2" if getattr(vae_config, "is_residual", False) else "wan2.1"]
+
+
 @dataclass
 class WanModel:
     """What the trainer needs of a loaded Wan pipeline (the family's ``FamilyModel``)."""
@@ -111,6 +126,22 @@ class WanModel:
     @property
     def num_attention_heads(self) -> int:
         return self.transformers[0].config.num_attention_heads
+
+    def vae_decoder_memory(self) -> tuple[int, float]:
+        """(d, k) of this model's VAE decoder for the memory plan (:func:`vae_decoder_memory`)."""
+        vae = getattr(self.pipeline, "vae", None)
+        return vae_decoder_memory(vae.config) if getattr(vae, "config", None) is not None else (0, 0.0)
+
+    def text_length_warnings(self, max_sequence_length: int) -> list[str]:
+        """Wan's image-to-video transformers split their context at 512 text tokens (the image's
+        tokens follow): another text length is warned about."""
+        tcfg = self.transformers[0].config
+        if (tcfg.get("added_kv_proj_dim") or tcfg.get("image_dim")) and max_sequence_length != 512:
+            return [
+                f"this is an I2V transformer: Wan splits its context at 512 text tokens, but "
+                f"data.max_sequence_length is {max_sequence_length}"
+            ]
+        return []
 
     @property
     def latent_channels(self) -> int:

@@ -16,7 +16,7 @@ Mixed precision keeps every forward input as the caller passes it (``cast_forwar
 FSDP2's default would cast all floating inputs to the compute dtype, and so round the fp32
 timestep to bf16 before Wan's sinusoidal embedding (values 4 apart in [512, 1024)) and the fp32
 RoPE tables before the blocks. The caller casts latents and text embeddings to the compute dtype,
-as ``WanPipeline`` does (:func:`compute_dtype` tells which). Outside the blocks, the parameters
+as ``WanPipeline`` does (:func:`miles.dtypes.compute_dtype` tells which). Outside the blocks, the parameters
 diffusers keeps in fp32 (``_keep_in_fp32_modules``: Wan's ``time_embedder`` and output
 ``scale_shift_table``) stay fp32 as ``from_pretrained(dtype=bf16)`` keeps them: the root unit holds
 them in fp32 and every other root-level submodule is a unit of its own in the compute dtype.
@@ -34,6 +34,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from miles.dtypes import COMPUTE_DTYPE_ATTR
 from miles.parallel.checkpointing import apply_checkpointing
 from miles.parallel.compile import compile_blocks as _compile_blocks
 
@@ -70,15 +71,8 @@ def apply_fsdp(
     for block in model.blocks:
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=root_mp, reshard_after_forward=reshard_after_forward)
-    model._miles_compute_dtype = param_dtype or next(model.parameters()).dtype
+    setattr(model, COMPUTE_DTYPE_ATTR, param_dtype or next(model.parameters()).dtype)
     return model
-
-
-def compute_dtype(model: nn.Module) -> torch.dtype:
-    """The dtype ``model`` computes in: FSDP2's parameter dtype after :func:`apply_fsdp`, else its
-    parameters' dtype. Latents and text embeddings enter the model in it; the timestep stays fp32."""
-    dtype = getattr(model, "_miles_compute_dtype", None) or getattr(model, "dtype", None)
-    return dtype if isinstance(dtype, torch.dtype) else next(model.parameters()).dtype
 
 
 def _compute_dtype_units(module: nn.Module, keep: set[str], skip: nn.Module) -> list[nn.Module]:

@@ -14,11 +14,18 @@ NVLink) it is several times slower, while the ring's K/V transfers hide behind c
 
 from __future__ import annotations
 
+import math
 import os
 
 from miles.parallel.topology import ParallelDims, valid_ulysses_degrees
 
-__all__ = ["check_ulysses_within_node", "local_world_size_from_env", "node_of_rank"]
+__all__ = [
+    "check_ulysses_within_node",
+    "local_world_size_from_env",
+    "mesh_report",
+    "node_note",
+    "node_of_rank",
+]
 
 
 def local_world_size_from_env() -> int | None:
@@ -57,4 +64,63 @@ def check_ulysses_within_node(dims: ParallelDims, local_world_size: int | None) 
         f"--sequence-parallel-size {dims.sp}{heads} and the processes per node); the ring "
         f"(sp / ulysses) takes the rest and may cross nodes. Or launch a multiple of {dims.ulysses} "
         f"processes per node."
+    )
+
+
+def mesh_report(
+    cfg, heads: int, world_size: int, world_source: str, local_world_size: int | None
+) -> tuple[ParallelDims, dict]:
+    """The mesh, with the checks ParallelDims and the trainer apply, and its report section (the
+    node note is added by the caller, after the input checks)."""
+    p = cfg.parallel
+    try:
+        dims = ParallelDims(
+            world_size=world_size,
+            sequence_parallel_size=p.sequence_parallel_size,
+            ulysses_degree=p.ulysses_degree,
+            num_attention_heads=heads,
+            replicate_size=p.replicate_size,
+        )
+    except ValueError as e:
+        raise ValueError(f"invalid parallel layout (world size {world_size}, {world_source}): {e}") from None
+    valid_u = valid_ulysses_degrees(dims.sp, heads)
+    if p.ulysses_degree == 0:
+        ulysses_note = f"auto: the largest of {valid_u} (divisors of sp {dims.sp} that divide {heads} heads)"
+    else:
+        ulysses_note = f"{dims.ulysses} set by --ulysses-degree"
+    try:
+        check_ulysses_within_node(dims, local_world_size)
+    except ValueError as e:
+        raise ValueError(f"invalid parallel layout: {e}") from None
+    return dims, {
+        "dp": dims.dp,
+        "sp": dims.sp,
+        "ulysses": dims.ulysses,
+        "ring": dims.ring,
+        "replicate": dims.replicate,
+        "shard": dims.shard,
+        "ulysses_auto": p.ulysses_degree == 0,
+        "ulysses_note": ulysses_note,
+        "node_note": None,
+        "shard_groups": dims.shard_groups(),
+        "groups": {
+            "dp": dims.dp_groups(),
+            "sp": dims.sp_groups(),
+            "ulysses": dims.ulysses_groups(),
+            "ring": dims.ring_groups(),
+        },
+    }
+
+
+def node_note(dims: ParallelDims, world_size: int, local_world_size: int | None, local_source: str) -> str:
+    if local_world_size is None:
+        return (
+            "processes per node unknown (set LOCAL_WORLD_SIZE or NPROC_PER_NODE): Ulysses groups stay inside "
+            f"a node when the processes per node are a multiple of ulysses {dims.ulysses}"
+        )
+    num_nodes = math.ceil(world_size / local_world_size)
+    ring_crosses = any(len({rank // local_world_size for rank in g}) > 1 for g in dims.ring_groups())
+    return (
+        f"{local_world_size} processes per node ({local_source}), {num_nodes} node(s): Ulysses groups stay "
+        f"inside a node; ring groups {'cross nodes' if ring_crosses else 'stay inside a node'}"
     )

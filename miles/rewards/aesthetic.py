@@ -56,6 +56,8 @@ class AestheticOptions:
 class Aesthetic(Reward):
     """The LAION aesthetic score (about 1..10) of sampled frames, averaged."""
 
+    loads_weights = True  # check_resources names its weight files: the plan counts their bytes
+
     name = "aesthetic"
 
     def __init__(

@@ -8,7 +8,11 @@ uniformly over time and average them: the same reduction flow_grpo-style video t
 from __future__ import annotations
 
 import abc
+import json
+import math
+import os
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -23,6 +27,9 @@ class Reward(abc.ABC):
     needs_images: bool = False
     """Image-to-video rewards set this: ``MultiReward`` then passes each sample's condition image as
     the keyword ``images`` (a sequence of image files or (3, H, W) tensors in [0, 1], one per video)."""
+    loads_weights: bool = False
+    """Rewards whose ``check_resources`` returns the weight files or folders they load set this: the
+    run plan estimates their device bytes from those files (:func:`weight_file_bytes`)."""
 
     @abc.abstractmethod
     def __call__(self, videos: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
@@ -47,6 +54,37 @@ def resident_bytes(rewards: Sequence[Reward], device: torch.device | str) -> int
                     seen.add(t.data_ptr())
                     total += t.numel() * t.element_size()
     return total
+
+
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
+
+
+def _safetensors_numel(path: Path) -> int:
+    """Elements of every tensor a safetensors file holds, from its JSON header (no tensor read)."""
+    with open(path, "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    return sum(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__")
+
+
+def weight_file_bytes(paths: Sequence[str | os.PathLike] | str | os.PathLike, itemsize: int = 4) -> int:
+    """Bytes on the device of the weights in ``paths`` (files, or folders searched recursively) once
+    loaded in a dtype of ``itemsize`` bytes: safetensors counted by their headers' elements (a
+    folder's ``.bin``/``.pt`` files then ignored: the same weights twice), other weight files by their
+    size. The dry run's estimate of a reward model's :func:`resident_bytes`, loading nothing."""
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    files: set[Path] = set()
+    for p in map(Path, paths):
+        if p.is_dir():
+            found = [f for f in p.rglob("*") if f.is_file() and f.suffix in _WEIGHT_SUFFIXES]
+            safetensors = [f for f in found if f.suffix == ".safetensors"]
+            files.update(safetensors or found)
+        elif p.is_file() and p.suffix in _WEIGHT_SUFFIXES:
+            files.add(p)
+    return sum(
+        _safetensors_numel(f) * itemsize if f.suffix == ".safetensors" else f.stat().st_size
+        for f in sorted(files)
+    )
 
 
 def check_videos(videos: torch.Tensor, prompts: Sequence[str]) -> None:

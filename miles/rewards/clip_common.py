@@ -23,7 +23,7 @@ PROCESSOR_FILES = (("preprocessor_config.json", "processor_config.json"), ("toke
 def check_folder(path: str | os.PathLike | None, key: str, repo: str, groups: Sequence[Sequence[str]]) -> str:
     """``path`` as str if it is a folder with one file of each group; else ValueError naming ``repo``."""
     need = " and ".join("one of " + "/".join(g) if len(g) > 1 else g[0] for g in groups)
-    fix = f"download {repo} to a local folder (e.g. `huggingface-cli download {repo} --local-dir DIR`)"
+    fix = f"download {repo} to a local folder (e.g. `hf download {repo} --local-dir DIR`)"
     if path is None or str(path) == "":
         raise ValueError(f"set {key} to a local folder holding {need}: {fix}; models are never downloaded")
     path = os.fspath(path)

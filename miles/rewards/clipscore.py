@@ -37,6 +37,8 @@ class CLIPScoreOptions:
 class CLIPScore(Reward):
     """``2.5 * max(cos, 0)`` between each sampled frame and the prompt, averaged over frames."""
 
+    loads_weights = True  # check_resources names its weight files: the plan counts their bytes
+
     name = "clipscore"
 
     def __init__(

@@ -7,11 +7,20 @@ dataclass registered with it, ``miles.rewards.registry``), passed to it field fo
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 
-from miles.rewards.registry import MultiReward, build_rewards, check_resources, reward_option_classes
+from miles.rewards.registry import (
+    MultiReward,
+    build_rewards,
+    check_resources,
+    estimated_resident_bytes,
+    needs_images,
+    registered_rewards,
+    reward_option_classes,
+)
 from miles.rewards.shaping import check_gold, check_normalize
 
 
@@ -34,6 +43,47 @@ def check_reward_config(reward_cfg: Any) -> None:
     check_normalize(reward_cfg.normalize, reward_cfg.weights)
     check_gold(reward_cfg.gold, reward_cfg.weights)
     check_resources([*reward_cfg.weights, *reward_cfg.gold], reward_sections(reward_cfg))
+
+
+def check_reward_names(reward_cfg: Any) -> None:
+    """Every name in ``reward.weights`` and ``reward.gold`` is a registered reward (ValueError naming them)."""
+    known = registered_rewards()
+    for name in reward_cfg.weights:
+        if name not in known:
+            raise ValueError(
+                f"reward.weights names an unknown reward {name!r}; registered rewards: {known} "
+                "(set one with --reward.weights.NAME WEIGHT)"
+            )
+    for name in reward_cfg.gold:
+        if name not in known:
+            raise ValueError(f"reward.gold names an unknown reward {name!r}; registered rewards: {known}")
+
+
+def check_reward_inputs(reward_cfg: Any) -> None:
+    """What building the rewards refuses, without constructing one (PickScore would load CLIP-H):
+    the names, finite weights, shaping options and every reward's local weights."""
+    check_reward_names(reward_cfg)
+    for name, weight in reward_cfg.weights.items():
+        if not math.isfinite(weight):
+            raise ValueError(f"reward.weights.{name} must be a finite number, got {weight}")
+    check_reward_config(reward_cfg)
+
+
+def check_image_rewards(reward_cfg: Any, image_to_video: bool) -> None:
+    """The trainer's refusal of a reward that scores against the given first frame (``needs_images``)
+    in a text-to-video run."""
+    needs = [n for n in reward_cfg.weights if n in registered_rewards() and needs_images(n)]
+    if needs and not image_to_video:
+        raise ValueError(
+            f"reward.weights {sorted(reward_cfg.weights)}: a reward scores against each sample's given "
+            "first frame, but the model is text-to-video; use an image-to-video model (model.task i2v)"
+        )
+
+
+def estimated_reward_bytes(reward_cfg: Any) -> int:
+    """The device bytes of the trained and gold rewards' models, estimated from their weight files
+    (``miles.rewards.registry.estimated_resident_bytes``): the plan's ``rewards`` memory term."""
+    return estimated_resident_bytes([*reward_cfg.weights, *reward_cfg.gold], reward_sections(reward_cfg))
 
 
 def build_configured_rewards(

@@ -107,6 +107,8 @@ class HPSv2Options:
 class HPSv2(Reward):
     """HPSv2.1: the cosine between each sampled frame and the prompt, averaged over frames."""
 
+    loads_weights = True  # check_resources names its weight files: the plan counts their bytes
+
     name = "hpsv2"
 
     def __init__(

@@ -90,6 +90,8 @@ class PickScoreOptions:
 class PickScore(Reward):
     """PickScore of each video against its prompt, averaged over ``num_frames`` sampled frames."""
 
+    loads_weights = True  # check_resources names its weight files: the plan counts their bytes
+
     name = "pickscore"
 
     def __init__(

@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from miles.rewards.base import Reward, check_videos
+from miles.rewards.base import Reward, check_videos, weight_file_bytes
 
 COMMON_ARGUMENTS = ("num_frames", "device", "dtype")
 """Arguments any reward may take besides its own options: frames sampled per video (``reward.num_frames``),
@@ -254,3 +254,19 @@ def check_resources(
         check = getattr(_known(name).factory, "check_resources", None)
         if check is not None:
             check(**_option_values(name, resolved))
+
+
+def estimated_resident_bytes(
+    names: Sequence[str] | Mapping[str, float], options: Mapping[str, Any] | None = None, itemsize: int = 4
+) -> int:
+    """The device bytes the named rewards' models will hold, estimated from the weight files their
+    ``check_resources`` names (``Reward.loads_weights``; loading nothing, each file once), in a dtype
+    of ``itemsize`` bytes (the trainer builds rewards in float32). Rewards without weights: 0."""
+    resolved = check_options(options, {})
+    found: list = []
+    for name in dict.fromkeys(names):
+        factory = _known(name).factory
+        if getattr(factory, "loads_weights", False):
+            paths = factory.check_resources(**_option_values(name, resolved))
+            found += list(paths) if isinstance(paths, (tuple, list)) else [paths]
+    return weight_file_bytes(found, itemsize) if found else 0

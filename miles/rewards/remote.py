@@ -321,6 +321,8 @@ class RemoteOptions:
         "batch_size": ("[1, 65536]", ""),
         "num_frames": ("[1, 4097]", ""),
     }
+    SECRETS: ClassVar[tuple[str, ...]] = ("token",)
+    """Fields written out (config.yaml, checkpoints, wandb) only as whether they were set."""
 
     url: str | None = None
     """Base URL of a reward server (start it first: ``python -m miles.rewards.serve``)."""

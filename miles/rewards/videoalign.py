@@ -115,6 +115,8 @@ class VideoAlignOptions:
 class VideoAlign(Reward):
     """VideoReward's standardised VQ, MQ, TA (or their sum) of each video."""
 
+    loads_weights = True  # check_resources names its weight files: the plan counts their bytes
+
     name = "videoalign"
 
     def __init__(

@@ -52,7 +52,7 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor, nn
 
-from miles.parallel.fsdp import compute_dtype
+from miles.dtypes import compute_dtype
 from miles.rollout.condition import ImageCondition, generated
 from miles.rollout.sde import SDE_STEPS, ode_step
 

@@ -52,9 +52,10 @@ bytes a token (the norms, modulation and RoPE make ~13 fp32 temporaries of width
 87·D + 8·F. Ulysses/ring add a few D·b more per token; the calibration on CUDA that ``budget``
 runs (``measure_block_memory``) is the measurement to trust.
 
-train peak = weights + optimizer + EMA + old policy + reference + text encoder + VAE + buffers +
-gradients + in flight + activations; rollout peak = the same persistent terms + max(one gathered
-expert + rollout working set, VAE decode). Not counted: reward models, attention kernel
+train peak = weights + optimizer + EMA + old policy + reference + text encoder + VAE + reward
+models + buffers + gradients + in flight + activations; rollout peak = the same persistent terms +
+max(one gathered expert + rollout working set, VAE decode). The reward models' bytes are estimated
+from their weight files (the trainer counts them as loaded). Not counted: attention kernel
 workspaces and communication buffers — what the 5% slack is for.
 """
 
@@ -258,6 +259,7 @@ def _param_memory_lines(rep: dict) -> list[str]:
         ("buffers", "rollout buffers"),
         ("text_encoder", "text encoder (resident unless offloaded)"),
         ("vae", "VAE"),
+        ("rewards", "reward models (from their weight files)"),
     ]
     for key, label in labels:
         lines.append(f"  {label:<42} {mem[key]:10.3f}")
@@ -265,5 +267,4 @@ def _param_memory_lines(rep: dict) -> list[str]:
     lines.append(f"  {'= rollout peak':<42} {mem['rollout_peak']:10.3f}")
     if mem["allocator_slack"]:
         lines.append(f"  {'+ allocator slack (5% of the budget)':<42} {mem['allocator_slack']:10.3f}")
-    lines.append("  (not counted: the reward models; the trainer adds their loaded bytes to its plan)")
     return lines

@@ -87,6 +87,8 @@ class MetricsLogger:
                     config=config,
                     id=wandb_run_id(self.run_dir),
                     resume="allow",
+                    # no history/summary panel at the end: the run's own result line is its last line
+                    settings=wandb.Settings(quiet=True),
                 )
 
     def truncate_after(self, step: int) -> None:
@@ -162,13 +164,21 @@ def is_finite(x: float) -> bool:
     return math.isfinite(x)
 
 
-def rollout_line(rollout_index: int, step: int, rewards: torch.Tensor, first: dict, step_s: float) -> str:
-    """The console line of one rollout: its reward statistics and its first optimizer step's loss,
-    canaries and grad norm (``bench/e2e_bands.py`` and the e2e tests read it)."""
+def rollout_line(
+    rollout_index: int, step: int, rewards: torch.Tensor | None, first: dict, step_s: float
+) -> str:
+    """The console line of one rollout: its reward statistics (none for an algorithm without
+    rewards: SFT) and its first optimizer step's loss, canaries and grad norm (``bench/e2e_bands.py``
+    and the e2e tests read it)."""
     shown = [k for k in ("clipfrac", "old_deviation", "log_prob_mean_abs_diff", "tis_logp_gap") if k in first]
+    stats = (
+        ""
+        if rewards is None
+        else f"reward mean={float(rewards.mean()):.4f} std={float(rewards.std()):.4f} "
+        f"min={float(rewards.min()):.4f} max={float(rewards.max()):.4f} "
+    )
     return (
-        f"[rollout {rollout_index}] step {step} reward mean={float(rewards.mean()):.4f} "
-        f"std={float(rewards.std()):.4f} min={float(rewards.min()):.4f} max={float(rewards.max()):.4f} "
+        f"[rollout {rollout_index}] step {step} {stats}"
         f"loss={first['loss']:.3e} "
         + "".join(f"{k}={first[k]:.3e} " for k in shown)
         + f"grad_norm={first['grad_norm']:.3e} step_time={step_s:.2f}s"

@@ -22,8 +22,9 @@ micro batch x 2 with CFG, T = tokens per sp rank, D / F = hidden / FFN size.
                                                    compute dtype (LoRA: the adapters switched off)
     text_encoder     its params x its dtype        only when ``model.text_encoder_offload`` is False
     vae              its params x its dtype
-    rewards          the reward models' parameters and buffers on the device, as loaded (trainer:
-                     ``miles.rewards.base.resident_bytes``; the dry run does not load them: 0)
+    rewards          the reward models' parameters and buffers on the device: the plan estimates them
+                     from their weight files (``miles.rewards.base.weight_file_bytes``), the trainer
+                     puts in the loaded bytes (``miles.rewards.base.resident_bytes``)
     buffers          2·samples·K·latent·4 + 2·samples·L_text·text_dim·c   (stored SDE latents, prompts)
     gathered_train   (root + 2 blocks)·c           FSDP's current + prefetched unit (whole expert when
                                                    ``reshard_after_forward`` is off)
@@ -35,10 +36,9 @@ micro batch x 2 with CFG, T = tokens per sp rank, D / F = hidden / FFN size.
     decode_workspace  m·(2·3·f·h·w·4 + k·d·h'·w'·v)   one micro-batch of m videos decoded: the fp32
                                                    video and its concatenation, plus the decoder's
                                                    working set (its causal caches and last stages:
-                                                   k = 51 bytes a pixel per decoder channel of the
-                                                   Wan2.1 VAE, 21.4 for the Wan2.2 VAE, whose last
-                                                   stages run at half resolution; d = the decoder's
-                                                   base dim, VAE dtype v); h'·w' = one 256² tile
+                                                   k bytes a pixel per decoder channel and d = the
+                                                   decoder's base dim, both the model family's
+                                                   ``vae_decoder_memory``; VAE dtype v); h'·w' = one 256² tile
                                                    with vae_tiling. Frames leave the GPU as uint8.
     decode_beside    decode_workspace              with ``rollout.overlap_decode`` (a micro-batch is decoded
     _rollout                                       while the next is sampled; its frames then go to
@@ -75,22 +75,15 @@ __all__ = [
     "block_bytes_per_token",
     "cfg_factor",
     "count_sde_steps",
+    "lora_numel",
     "model_sizes",
     "rollout_shape",
-    "vae_fields",
-    "vae_widths",
 ]
 
 GIB = 2**30
 ALLOCATOR_SLACK = 0.05  # of the budget: fragmentation, kernel workspaces, communication buffers
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 2}  # text encoder auto: bf16 on CUDA
-# The VAE decoder's peak working set in bytes per output pixel, per channel of its base width and per
-# byte of its dtype: the live storages through AutoencoderKLWan.decode, tracked on CPU at two widths
-# of each family (tests/unit/test_resident_memory.py measures it again). The Wan2.2 VAE (residual,
-# patch 2) runs its last stages at half resolution. Against the GPU rehearsal (81 frames): the Wan2.1
-# VAE at 480x832 kept 8.76 GiB, this says 8.0; the Wan2.2 VAE at 704x1280 20.6, this says 20.0.
-_VAE_DECODER_BYTES = {"wan2.1": 51.0, "wan2.2": 21.4}
-_VAE_TILE = 256  # diffusers' AutoencoderKLWan tile_sample_min_height/width
+_VAE_TILE = 256  # the tile of a tiled decode (diffusers: tile_sample_min_height/width)
 
 
 class MemoryBudgetError(ValueError):
@@ -110,8 +103,8 @@ class ModelSizes:
     text_dim: int
     text_encoder_params: int = 0
     vae_params: int = 0
-    vae_base_dim: int = 96  # the decoder's base width (decoder_base_dim, else base_dim)
-    vae_family: str = "wan2.1"  # "wan2.2": the residual, patchified VAE of Wan2.2 (TI2V-5B)
+    vae_base_dim: int = 0  # d: the VAE decoder's base width (the family's ``vae_decoder_memory``)
+    vae_decoder_bytes: float = 0.0  # k: its peak bytes per output pixel, per channel of d, per dtype byte
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -119,6 +112,7 @@ class RolloutShape:
     """One rank's rollout: how many samples, how long, what is stored for training."""
 
     tokens_per_rank: int  # ceil(S / sp)
+    tokens_per_sample: int = 0  # S, the model's tokens of one sample (the family's ``num_tokens``)
     latent_numel: int  # one sample's latent (C·f·h·w)
     num_frames: int
     height: int
@@ -214,7 +208,7 @@ class ResidentMemory:
             sizes.text_encoder_params * text_encoder_dtype(m.text_encoder_dtype, device_type).itemsize
         )
         decode = _decode_bytes(
-            shape, sizes.vae_base_dim, sizes.vae_family, _DTYPE_BYTES[m.vae_dtype], m.vae_tiling
+            shape, sizes.vae_base_dim, sizes.vae_decoder_bytes, _DTYPE_BYTES[m.vae_dtype], m.vae_tiling
         )
         in_flight = (sizes.outside_blocks + 2 * sizes.largest_block) * c
         if not p.reshard_after_forward:
@@ -252,29 +246,15 @@ def _buffer_bytes(shape: RolloutShape, text_dim: int, c: int) -> float:
     return latents + 2 * shape.samples_per_rank * shape.text_tokens * text_dim * c
 
 
-def vae_widths(vae_config) -> tuple[int, str]:
-    """The decoder's base width and the VAE family (``_VAE_DECODER_BYTES``) of an AutoencoderKLWan config."""
-    base = int(getattr(vae_config, "decoder_base_dim", None) or getattr(vae_config, "base_dim", 96) or 96)
-    return base, "wan2.2" if getattr(vae_config, "is_residual", False) else "wan2.1"
-
-
-def _decode_bytes(shape: RolloutShape, base_dim: int, family: str, v: int, tiling: bool) -> float:
+def _decode_bytes(shape: RolloutShape, base_dim: int, bytes_per_pixel: float, v: int, tiling: bool) -> float:
     """One micro-batch decoded: its fp32 videos (and their concatenation) plus the decoder's working
-    set (``_VAE_DECODER_BYTES``), over one tile with tiling."""
+    set, k·d·h·w·v (the family's ``vae_decoder_memory``: d, k), over one tile with tiling."""
     h, w = shape.height, shape.width
     if tiling:
         h, w = min(h, _VAE_TILE), min(w, _VAE_TILE)
     video = 2 * 3 * shape.num_frames * shape.height * shape.width * 4
-    stage = _VAE_DECODER_BYTES[family] * base_dim * h * w * v
+    stage = bytes_per_pixel * base_dim * h * w * v
     return shape.micro_batch * (video + stage)
-
-
-def vae_fields(vae) -> dict:
-    """ModelSizes' VAE decoder fields of a loaded (or meta) AutoencoderKLWan."""
-    if getattr(vae, "config", None) is None:
-        return {}
-    base, family = vae_widths(vae.config)
-    return {"vae_base_dim": base, "vae_family": family}
 
 
 def _largest_terms(resident: ResidentMemory, n: int = 4) -> str:
@@ -314,20 +294,48 @@ def _numel(module) -> int:
     return sum(p.numel() for p in module.parameters()) if module is not None else 0
 
 
-def model_sizes(transformers, text_encoder=None, vae=None) -> ModelSizes:
-    """:class:`ModelSizes` of loaded (or meta) modules; LoRA adapters (``lora_`` parameters) are
-    counted apart from the base. Call it before FSDP shards them (or on DTensors: global counts)."""
-    base, lora = [], 0
-    for t in transformers:
-        named = list(t.named_parameters())
-        lora += sum(p.numel() for n, p in named if "lora_" in n)
-        base.append(sum(p.numel() for n, p in named if "lora_" not in n))
-    blocks = [max(_numel(b) for b in t.blocks) for t in transformers]
-    outside = [_numel(t) - sum(_numel(b) for b in t.blocks) for t in transformers]
+def lora_numel(model, rank: int, targets: list[str]) -> int:
+    """Adapter parameters peft adds: r·(in + out) per targeted Linear (peft's name-suffix matching)."""
+    from torch import nn
+
+    total = 0
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and any(name == t or name.endswith("." + t) for t in targets):
+            total += rank * (module.in_features + module.out_features)
+    return total
+
+
+def model_sizes(
+    transformers,
+    text_encoder=None,
+    vae=None,
+    lora_rank: int = 0,
+    lora_targets=(),
+    vae_decoder: tuple[int, float] = (0, 0.0),
+) -> ModelSizes:
+    """:class:`ModelSizes` of loaded (or meta) modules, the one count the plan, the trainer, the dry
+    run and the benches read. LoRA adapters (``lora_`` parameters) are counted apart from the base;
+    with none installed yet and ``lora_rank`` > 0, those peft will add on ``lora_targets`` (so a meta
+    model's sizes equal the loaded model's with its adapters). A block's and the root's sizes include
+    their adapters: FSDP gathers them together. ``vae_decoder``: the family's ``vae_decoder_memory()``
+    (d, k). Call it before FSDP shards them (or on DTensors: global counts)."""
+    installed = any("lora_" in n for t in transformers for n, _ in t.named_parameters())
+
+    def adapters(module) -> int:  # installed, else the ones peft will add
+        if installed:
+            return sum(p.numel() for n, p in module.named_parameters() if "lora_" in n)
+        return lora_numel(module, lora_rank, list(lora_targets)) if lora_rank > 0 else 0
+
+    def total(module) -> int:
+        return _numel(module) + (0 if installed else adapters(module))
+
+    base = [total(t) - adapters(t) for t in transformers]
+    blocks = [max(total(b) for b in t.blocks) for t in transformers]
+    outside = [total(t) - sum(total(b) for b in t.blocks) for t in transformers]
     tcfg = transformers[0].config
     return ModelSizes(
         expert_params=tuple(base),
-        lora_params=lora,
+        lora_params=sum(adapters(t) for t in transformers),
         largest_block=max(blocks),
         outside_blocks=max(outside),
         hidden_size=tcfg.num_attention_heads * tcfg.attention_head_dim,
@@ -335,7 +343,8 @@ def model_sizes(transformers, text_encoder=None, vae=None) -> ModelSizes:
         text_dim=tcfg.text_dim,
         text_encoder_params=_numel(text_encoder),
         vae_params=_numel(vae),
-        **vae_fields(vae),
+        vae_base_dim=vae_decoder[0],
+        vae_decoder_bytes=vae_decoder[1],
     )
 
 
@@ -367,8 +376,10 @@ def cfg_factor(cfg, num_experts: int) -> int:
 def rollout_shape(cfg, model, sp: int, num_sde_steps: int) -> RolloutShape:
     """One rank's :class:`RolloutShape` for ``model`` (a ``FamilyModel``, loaded or meta) at sp ``sp``."""
     r = cfg.rollout
+    tokens = model.num_tokens(r.num_frames, r.height, r.width)
     return RolloutShape(
-        tokens_per_rank=-(-model.num_tokens(r.num_frames, r.height, r.width) // sp),
+        tokens_per_rank=-(-tokens // sp),
+        tokens_per_sample=tokens,
         latent_numel=math.prod(model.latent_shape(r.num_frames, r.height, r.width)),
         num_frames=r.num_frames,
         height=r.height,
@@ -384,7 +395,7 @@ def rollout_shape(cfg, model, sp: int, num_sde_steps: int) -> RolloutShape:
 def block_bytes_per_token(
     D: int, F: int, b: int, compiled: bool = False, per_token_timesteps: bool = False
 ) -> dict[str, float]:
-    """Bytes one Wan block keeps for backward per token, per checkpointing mode (see the module docstring)."""
+    """Bytes one transformer block keeps for backward per token, per checkpointing mode (see the module docstring)."""
     return {
         # compiled: Inductor recomputes the fp32 element-wise outputs instead of saving them, the
         # per-token modulation products (eager: +32·D) among them

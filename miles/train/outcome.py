@@ -17,6 +17,7 @@ import json
 import shlex
 from pathlib import Path
 
+from miles.launch import launch_prefix
 from miles.train.checkpoint import latest_checkpoint
 
 
@@ -37,12 +38,17 @@ def _exported(run_dir: Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if not p.name.endswith(".partial")) if root.is_dir() else []
 
 
-def result_line(run_dir: Path, rollouts: int, step: int) -> str:
-    """The finished run in one line (see the module docstring)."""
+def result_line(run_dir: Path, rollouts: int, step: int, uses_rewards: bool = True) -> str:
+    """The finished run in one line (see the module docstring); an algorithm without rewards (SFT)
+    states its loss instead."""
     parts = [f"{rollouts} rollouts, {step} steps"]
-    rewards = [r["reward/mean"] for r in _rows(run_dir / "metrics.jsonl") if "reward/mean" in r]
-    if rewards:
+    rows = _rows(run_dir / "metrics.jsonl")
+    rewards = [r["reward/mean"] for r in rows if "reward/mean" in r]
+    losses = [r["train/loss"] for r in rows if "train/loss" in r]
+    if uses_rewards and rewards:
         parts.append(f"reward mean {rewards[0]:.4f} -> {rewards[-1]:.4f} (first and last rollout)")
+    elif not uses_rewards and losses:
+        parts.append(f"loss {losses[0]:.4e} -> {losses[-1]:.4e} (first and last step)")
     evals = _rows(run_dir / "eval.jsonl")
     if evals:
         first, last = evals[0], evals[-1]
@@ -70,13 +76,41 @@ def finished_note(
     )
 
 
+def finished_at_launch(cfg) -> str | None:
+    """The :func:`finished_note` of a relaunch of a finished run, from its latest checkpoint's
+    ``trainer.json`` before anything is built (no process group, no model, no wandb run: a relaunch
+    says so in a second or two). None when there is work left, or the checkpoint is not whole (the
+    trainer then resumes from the last good one, as always). A run directory another launch holds
+    is refused first (``ValueError`` naming it), as the trainer refuses it."""
+    from miles.files import verify_checkpoint
+    from miles.train.run_dir import check_not_in_use
+
+    if not cfg.train.resume or cfg.train.overwrite:
+        return None
+    run_dir = Path(cfg.run.output_dir) / cfg.run.name
+    path = latest_checkpoint(run_dir)
+    if path is None:
+        return None
+    check_not_in_use(run_dir)
+    try:
+        verify_checkpoint(path)  # the counters are read from a checkpoint whose bytes are as saved
+        state = json.loads((path / "trainer.json").read_text())
+        rollouts, step = int(state["rollout_index"]), int(state["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return finished_note(run_dir, cfg.train.num_rollouts, cfg.train.export, rollouts, step)
+
+
 # Flags of a fresh start, dropped from the resume command printed after a stop or a failure.
 _FRESH_START_FLAGS = ("--train.no-resume", "--train.overwrite")
 
 
-def resume_command(argv: list[str]) -> str:
-    """The command that resumes the launch of ``argv`` (its flags, less those of a fresh start)."""
-    return "train_grpo.py " + " ".join(shlex.quote(a) for a in argv if a not in _FRESH_START_FLAGS)
+def resume_command(argv: list[str], script: str = "train_grpo.py") -> str:
+    """The command that resumes the launch of ``argv`` (the script's flags, less those of a fresh
+    start), as the user typed it: ``torchrun --nproc-per-node 4 train_grpo.py ...`` under torchrun
+    (miles/launch.py: ``launch_prefix``)."""
+    words = [*launch_prefix([script]), *(a for a in argv if a not in _FRESH_START_FLAGS)]
+    return " ".join(shlex.quote(w) for w in words)
 
 
 def stopped_line(

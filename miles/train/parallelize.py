@@ -117,8 +117,6 @@ class _Parallelizer:
         self.cfg = plan.cfg
         self.compute_dtype = compute_dtype(self.cfg)
         self.compile_blocks = resolve_compile(self.cfg.model.compile, device)
-        r = self.cfg.rollout
-        self.num_tokens = model.num_tokens(r.num_frames, r.height, r.width)
 
     def _checkpoint_modes(self, transformer: nn.Module) -> list[str]:
         """Per-block activation checkpointing; ``budget`` calibrates one block on CUDA and fits the
@@ -136,7 +134,7 @@ class _Parallelizer:
         with torch.random.fork_rng(devices=[self.device]):
             block_bytes = self.model.calibrate_block_memory(
                 transformer,
-                -(-self.num_tokens // self.plan.dims.sp),
+                self.plan.shape.tokens_per_rank,
                 self.device,
                 batch=2 * self.cfg.train.micro_batch_size,  # CFG doubles the batch
                 dtype=self.compute_dtype or torch.float32,

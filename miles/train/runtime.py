@@ -27,12 +27,18 @@ def init_distributed(timeout_s: float) -> torch.device:
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
         os.environ.setdefault("LOCAL_RANK", "0")
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29511")
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        timeout = timedelta(seconds=timeout_s)
+        if "MASTER_PORT" in os.environ or os.environ["WORLD_SIZE"] != "1":
+            dist.init_process_group(backend, timeout=timeout)  # torchrun's rendezvous
+        else:
+            # One process without torchrun: a store on a port the OS picks (bound, not guessed), so
+            # that runs side by side do not collide on a fixed port (EADDRINUSE).
+            store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timeout)
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port))
+            dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

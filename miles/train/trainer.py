@@ -10,6 +10,7 @@ forms advantages; the algorithm (``miles.algorithms``) turns the batch into opti
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import signal
@@ -58,7 +59,7 @@ from miles.train.logging import (
     rollout_line,
     show_progress,
 )
-from miles.train.memory_budget import ResidentMemory, model_sizes, rollout_shape
+from miles.train.memory_budget import ResidentMemory
 from miles.train.old_policy import OldPolicy
 from miles.train.outcome import stopped_line
 from miles.train.parallelize import compute_dtype, parallelize
@@ -125,17 +126,10 @@ class Trainer:
         tokenizer = getattr(self.model.pipeline, "tokenizer", None)
         warn_truncated_prompts(cfg, tokenizer, self.prompts, self.eval_prompts, self.rank)  # as the dry run
         self.mesh = build_parallel_mesh(self.dims, self.device.type)
-        self.sampler = GroupSampler(
-            num_prompts=len(self.prompts),
-            prompts_per_dp_rank=cfg.data.prompts_per_rank,
-            group_size=cfg.data.group_size,
-            dp_rank=self.mesh.dp_rank,
-            dp_size=self.mesh.dp_size,
-            seed=cfg.run.seed,
-        )
+        self.sampler = self._group_sampler()
         # fp32 master weights; FSDP2 casts to the compute dtype (None: compute in fp32).
         self.compute_dtype = compute_dtype(cfg)
-        self.num_tokens = self.model.num_tokens(cfg.rollout.num_frames, cfg.rollout.height, cfg.rollout.width)
+        self.num_tokens = self.plan.shape.tokens_per_sample  # the plan counts them once
         self.algorithm = build_algorithm(cfg)
         experts = parallelize(
             self.model,
@@ -178,6 +172,18 @@ class Trainer:
             f"{self.model.num_attention_heads} heads); {self.num_tokens} tokens/sample "
             f"({-(-self.num_tokens // d.sp)} per sp rank); attention backend "
             f"{self.attention_backend or 'default'}; run dir {self.run_dir}"
+        )
+
+    def _group_sampler(self) -> GroupSampler:
+        """This dp rank's prompt groups, drawn alike on every rank (``miles.data.prompts``)."""
+        d = self.cfg.data
+        return GroupSampler(
+            num_prompts=len(self.prompts),
+            prompts_per_dp_rank=d.prompts_per_rank,
+            group_size=d.group_size,
+            dp_rank=self.mesh.dp_rank,
+            dp_size=self.mesh.dp_size,
+            seed=self.cfg.run.seed,
         )
 
     def _collector(self):
@@ -244,23 +250,16 @@ class Trainer:
         held_out = (
             f", {len(self.eval_prompts)} held-out from {cfg.eval.prompt_file}" if self.eval_prompts else ""
         )
-        print0(
-            f"[miles] loaded {len(self.prompts)} prompts from {cfg.data.prompt_file or 'the built-in list'}"
-            + held_out
-        )
+        source = cfg.data.prompt_file or "the built-in list"
+        print0(f"[miles] loaded {len(self.prompts)} prompts from {source}" + held_out)
         self.rewards, self.gold_rewards = build_configured_rewards(cfg.reward, self.device)
         self.rewards = GuardedRewards(self.rewards)  # a server down after retries: save and stop
 
     def _resident_memory(self) -> ResidentMemory:
-        """The per-rank resident terms (weights, optimizer, rollout, decode...) of this run, from the
-        loaded modules' parameter counts (LoRA adapters installed, nothing sharded yet) and the
-        loaded reward models' bytes on the device."""
-        pipe = self.model.pipeline
-        sizes = model_sizes(self.model.transformers, pipe.text_encoder, pipe.vae)
-        shape = rollout_shape(self.cfg, self.model, self.dims.sp, self.plan.num_sde_steps)
+        """The plan's per-rank resident terms, the loaded reward models' device bytes in place of its estimate."""
         mixes = [self.rewards] + ([self.gold_rewards] if self.gold_rewards is not None else [])
         rewards = resident_bytes([r for mix in mixes for r in mix.rewards.values()], self.device)
-        return ResidentMemory.of(self.cfg, sizes, shape, self.dims.shard, self.device.type, rewards)
+        return dataclasses.replace(self.plan.resident, rewards=float(rewards))
 
     # ------------------------------------------------------------------------------------------
     # one iteration
@@ -544,6 +543,7 @@ class Trainer:
                 images=self.eval_images,
                 encode=lambda texts: (self.prompt_cache.embeds(texts), self.prompt_cache.negative()),
                 gather=gather,
+                progress=self.progress,
             )
         metrics = {
             **summarize(result),
@@ -588,7 +588,8 @@ class Trainer:
             step = self.step - len(step_stats) + i + 1
             row_metrics = {f"train/{k}": v for k, v in row.items()}
             self.logger.log({**metrics, **row_metrics} if i == 0 else row_metrics, step=step)
-        print0(rollout_line(self.rollout_index, self.step, rewards, step_stats[0], t_train / len(step_stats)))
+        shown = rewards if self.algorithm.uses_rewards else None  # SFT scores nothing: its loss
+        print0(rollout_line(self.rollout_index, self.step, shown, step_stats[0], t_train / len(step_stats)))
         if self._logs_videos(self.rollout_index) and scores.videos is not None:
             # rank 0's decoded samples: with sp > 1, every sp-th micro-batch of its dp rank
             self.logger.log_videos(scores.videos, scores.video_prompts, scores.video_rewards, step=self.step)

@@ -85,11 +85,13 @@ def launch(
     env: dict | None = None,
     timeout: float = 400,
     interrupt_after: str | None = None,
+    launcher: str = "torch.distributed.run",
 ) -> Launch:
     """One 4-process torchrun launch of train_grpo.py on the tiny recipe into ``root/name``.
     ``interrupt_after``: SIGINT the launch's whole process group (torchrun and every worker, as a
-    Ctrl-C in a terminal does) as soon as an output line starts with this text."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
+    Ctrl-C in a terminal does) as soon as an output line starts with this text. ``launcher``: the
+    module that launches (``miles.launch``: torchrun with quiet refusals and interrupts)."""
+    cmd = [sys.executable, "-m", launcher, "--standalone", "--nproc-per-node", "4"]
     cmd += ["--max-restarts", "0", "train_grpo.py", *RECIPE]
     cmd += ["--run.output-dir", str(root), "--run.name", name, *flags]
     finished_dir = Path(tempfile.mkdtemp(prefix="finished_", dir=root))
@@ -207,7 +209,9 @@ def launches(reference) -> dict:
         checkpoint_names(run_dir) if (run_dir / "checkpoints").is_dir() else [],
         sorted(last_rows(run_dir)) if (run_dir / "metrics.jsonl").is_file() else [],
     )
-    got["ctrl_c"] = launch(root, "ctrl_c", *SIGNAL_FLAGS, interrupt_after="[rollout 0]")
+    got["ctrl_c"] = launch(
+        root, "ctrl_c", *SIGNAL_FLAGS, interrupt_after="[rollout 0]", launcher="miles.launch"
+    )
 
     run_dir = root / "rerun"
     shutil.copytree(reference.run_dir, run_dir)
@@ -370,9 +374,11 @@ def test_signal_stops_with_a_checkpoint_then_resume_is_bitwise_exact(reference, 
     assert _tracebacks(stopped.output) == 0, stopped.output[-3000:]
     assert stopped.saved() == {2: reference.saved()[2]}, stopped.output[-3000:]
     assert "stopped by SIGTERM after step 2 (1 of 3 rollouts done)" in stopped.output
+    # Under plain torchrun the resume command is torchrun's, read from the parent's command line.
     assert (
-        "To resume, relaunch the same command: train_grpo.py --config configs/tiny_cpu.yaml" in stopped.output
-    )
+        "To resume, relaunch the same command: python -m torch.distributed.run --standalone --nproc-per-node 4 "
+        "--max-restarts 0 train_grpo.py --config configs/tiny_cpu.yaml" in stopped.output
+    ), stopped.output[-3000:]
     assert launches["sigterm_left"] == (["step_000002"], [1, 2])
 
     resumed = launches["sigterm_again"]
@@ -385,7 +391,15 @@ def test_signal_stops_with_a_checkpoint_then_resume_is_bitwise_exact(reference, 
     assert "stopped by SIGINT after step" in ctrl_c.output, ctrl_c.output[-3000:]
     saved = ctrl_c.saved()
     assert len(saved) == 1 and saved == {s: reference.saved()[s] for s in saved}, ctrl_c.output[-3000:]
-    assert _tracebacks(ctrl_c.output) <= 1 and "KeyboardInterrupt" not in ctrl_c.output, ctrl_c.output[-3000:]
+    # Through miles.launch (issue 46): no traceback at all, not torchrun's SignalException either;
+    # exit code 130; the resume command is the launch as typed, launcher included.
+    assert _tracebacks(ctrl_c.output) == 0 and "KeyboardInterrupt" not in ctrl_c.output, ctrl_c.output[-3000:]
+    assert "ChildFailedError" not in ctrl_c.output and "SignalException" not in ctrl_c.output
+    assert ctrl_c.returncode == 130, ctrl_c.output[-3000:]
+    assert (
+        "To resume, relaunch the same command: python -m miles.launch --standalone --nproc-per-node 4 "
+        "--max-restarts 0 train_grpo.py --config configs/tiny_cpu.yaml" in ctrl_c.output
+    ), ctrl_c.output[-3000:]
     print(
         f"SIGTERM launch {stopped.seconds:.0f} s, resumed {resumed.seconds:.0f} s; Ctrl-C launch "
         f"{ctrl_c.seconds:.0f} s, saved step {next(iter(saved))}"

@@ -42,6 +42,9 @@ def _rows(path):
 
 def test_sft_trains_and_resumes(shared_runs, shared_root):
     run = shared_runs["sft_world"].run_dir
+    # SFT has no reward: its rollout lines state the loss, never "reward mean=0.0000 std=0.0000"
+    lines = [x for x in shared_runs["sft_world"].stdout.splitlines() if x.startswith("[rollout ")]
+    assert lines and all(" loss=" in x and "reward" not in x for x in lines), lines
     first = _rows(run / "metrics.jsonl")
     assert [r["step"] for r in first] == [1, 2]
     assert all(0.0 < r["train/sigma_mean"] < 1.0 and r["train/loss"] > 0 for r in first)

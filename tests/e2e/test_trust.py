@@ -1,7 +1,10 @@
 """Trust through the real launcher (torchrun, one process, the tiny recipe cut to its smallest):
 
-0. The first launch warns that prompts exceed ``data.max_sequence_length`` (as the dry run does) and
-   ends with the one-line result.
+0. The first launch (wandb offline) warns that prompts exceed ``data.max_sequence_length`` (as the
+   dry run does) and ends with the one-line result, after wandb's own lines.
+
+0b. A relaunch of the finished run prints that it is finished and exits 0 before anything is built
+   (no "resumed from" line, no new wandb run).
 
 1. A launch saves ``step_000001`` and ``step_000002``; 16 bytes of ``step_000002``'s shard are then
    changed in place (same length: the old size check passes it). The relaunch names the file, says it
@@ -47,8 +50,8 @@ SMALL = [
 ]  # fmt: skip
 
 
-def _cmd(root: Path, *flags: str) -> list[str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"]
+def _cmd(root: Path, *flags: str, launcher: str = "torch.distributed.run") -> list[str]:
+    cmd = [sys.executable, "-m", launcher, "--standalone", "--nproc-per-node", "1"]
     cmd += ["--max-restarts", "0", "train_grpo.py", "--config", "configs/tiny_cpu.yaml"]
     cmd += ["--run.output-dir", str(root), "--run.name", "trust", *SMALL]
     return cmd + ["--data.prompt-file", str(root / "prompts.txt"), *flags]
@@ -84,6 +87,8 @@ def _no_secrets_under(run_dir: Path) -> None:
 def test_changed_bytes_fall_back_and_a_second_launch_is_refused(tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text((REPO / "miles" / "data" / "tiny_prompts.txt").read_text())
+    # wandb offline (the make targets' mode): its closing lines come before the result line; the
+    # reward service token given on the command line and in the environment (no file may hold it)
     first = subprocess.run(
         _cmd(
             tmp_path,
@@ -95,21 +100,34 @@ def test_changed_bytes_fall_back_and_a_second_launch_is_refused(tmp_path):
             CLI_TOKEN,
         ),
         cwd=REPO,
-        env={**ENV, "MILES_REWARD_TOKEN": ENV_TOKEN, "WANDB_SILENT": "true"},
-        capture_output=True,
+        env={**ENV, "WANDB_MODE": "offline", "MILES_REWARD_TOKEN": ENV_TOKEN},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
         text=True,
         timeout=400,
     )
-    assert first.returncode == 0, first.stdout + first.stderr
-    log = first.stdout + first.stderr
+    assert first.returncode == 0, first.stdout
+    log = first.stdout
     # Prompts longer than max_sequence_length are warned about by the real run, as by the dry run.
     assert "prompts in " in log and "are longer than data.max_sequence_length = 8 text tokens" in log, log
-    # The last line states the result.
+    # The last line states the result: last of everything printed, wandb's lines included (issue 46).
     run_dir = tmp_path / "trust"
     closing = f"[miles] finished {run_dir}: 2 rollouts, 2 steps; reward mean "
-    assert first.stdout.strip().splitlines()[-1].startswith(closing), first.stdout
+    assert first.stdout.strip().splitlines()[-1].startswith(closing), first.stdout[-3000:]
+    assert "Run summary" not in log and "Run history" not in log, log[-3000:]
     assert f"checkpoint {run_dir / 'checkpoints' / 'step_000002'}" in log
     _no_secrets_under(run_dir)
+    # A relaunch of the finished run says so before building anything: no model, no wandb run.
+    wandb_runs = sorted((run_dir / "wandb").glob("offline-run-*"))
+    again = subprocess.run(
+        _cmd(tmp_path, "--train.num-rollouts", "2", "--run.wandb-mode", "offline"),
+        cwd=REPO, env={**ENV, "WANDB_MODE": "offline"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, timeout=300,
+    )  # fmt: skip
+    assert again.returncode == 0, again.stdout
+    assert again.stdout.strip().splitlines()[-1].startswith(f"[miles] {run_dir} is finished (2 of 2 rollouts")
+    assert "[miles] resumed from" not in again.stdout and "wandb" not in again.stdout, again.stdout
+    assert sorted((run_dir / "wandb").glob("offline-run-*")) == wandb_runs and wandb_runs
     ckpts = tmp_path / "trust" / "checkpoints"
     saved = json.loads((ckpts / "step_000002" / "trainer.json").read_text())["prompt_fingerprint"]
     assert saved == {"file": str(prompts), "sha256": hashlib.sha256(prompts.read_bytes()).hexdigest()}
@@ -130,8 +148,8 @@ def test_changed_bytes_fall_back_and_a_second_launch_is_refused(tmp_path):
             lines.append(line)
             if "[miles] resumed from" in line:
                 break
-        third = subprocess.run(
-            _cmd(tmp_path, "--train.num-rollouts", "3"),
+        third = subprocess.run(  # through miles.launch: one line and exit code 2 (issue 46)
+            _cmd(tmp_path, "--train.num-rollouts", "3", launcher="miles.launch"),
             cwd=REPO,
             env=ENV,
             capture_output=True,
@@ -166,7 +184,11 @@ def test_changed_bytes_fall_back_and_a_second_launch_is_refused(tmp_path):
     ), out
     assert f"[miles] resumed from {ckpts / 'step_000001'} (step 1," in out, out
     refused = " ".join((third.stdout + third.stderr).split())
-    assert third.returncode != 0, refused
+    assert third.returncode == 2, refused
+    assert "Traceback" not in third.stderr and "ChildFailedError" not in third.stderr, third.stderr
+    assert [line for line in third.stderr.splitlines() if line.startswith("error")] == [
+        third.stderr.strip().splitlines()[-1]
+    ], third.stderr  # the refusal is the one error line, and the last
     assert (
         f"is in use by another launch (pid {second.pid}" not in refused
     )  # torchrun's pid is not the worker's

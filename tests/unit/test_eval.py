@@ -142,3 +142,28 @@ def test_rollout_sampler_gathers_one_expert_at_a_time_bitwise(model):
     gathered.clear()
     evaluate(model, rewards, PROMPTS, 1, _settings(model, 4.0, steps=2), **args, gather=gather)
     assert gathered == [list(range(len(model.transformers)))]  # the pipeline sampler: all at once
+
+
+@pytest.mark.parametrize("sampler", ["pipeline", "rollout"])
+def test_evaluate_shows_progress_where_asked(model, capsys, sampler):
+    """``progress`` (rank 0 on a terminal): bars for the sampling and the scoring; none otherwise."""
+    rewards = build_rewards({"jpeg_incompressibility": 1.0}, num_frames=2)
+    settings = EvalSettings(**{**_settings(model, 1.0, steps=2).__dict__, "sampler": sampler})
+    args = dict(negative_prompt="", max_sequence_length=16, device=torch.device("cpu"))
+    evaluate(model, rewards, PROMPTS, 1, settings, **args, progress=True)
+    shown = capsys.readouterr().err
+    assert "eval: sample" in shown and "eval: decode and score" in shown, shown
+    evaluate(model, rewards, PROMPTS, 1, settings, **args)
+    assert "eval:" not in capsys.readouterr().err
+
+
+def test_eval_help_is_its_own(capsys):
+    """``python -m miles.eval --help`` prints eval's options (--out, --checkpoint) and exits 0, with or
+    without --out; not the trainer's 750-line help (issue 46)."""
+    from miles.eval.__main__ import main
+
+    for argv in (["--help"], ["--out", "/tmp/x", "--help"], ["-h"]):
+        assert main(argv) == 0
+        shown = capsys.readouterr().out
+        assert "--out" in shown and "--checkpoint" in shown and "python -m miles.eval" in shown, shown
+        assert "--train.num-rollouts" not in shown and len(shown.splitlines()) < 60

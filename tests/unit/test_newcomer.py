@@ -160,4 +160,4 @@ def test_the_resume_command_drops_the_fresh_start_flags(flag):
         message = str(reward_failed("down", 3, Path("runs/x/checkpoints/step_000003")))
     finally:
         sys.argv = sys_argv
-    assert message.endswith("resume with the same command: train_grpo.py --config c.yaml")
+    assert message.endswith("resume with the same command: python train_grpo.py --config c.yaml")

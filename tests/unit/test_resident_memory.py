@@ -109,8 +109,7 @@ def _hand(
     else:
         th, tw = h, w
     decode = shape.micro_batch * (
-        6 * f * h * w * 4
-        + {"wan2.1": 51.0, "wan2.2": 21.4}[sizes.vae_family] * sizes.vae_base_dim * th * tw * v
+        6 * f * h * w * 4 + sizes.vae_decoder_bytes * sizes.vae_base_dim * th * tw * v
     )
     return dict(
         weights=weights,
@@ -152,13 +151,15 @@ def test_tiny_terms_match_the_formulas():
         WanTransformer3DModel.from_pretrained(folder / sub) for sub in ("transformer", "transformer_2")
     ]
     vae = AutoencoderKLWan.from_pretrained(folder / "vae")
-    sizes = model_sizes(experts, torch.nn.Linear(3, 5), vae)
+    from miles.models.wan import vae_decoder_memory
+
+    sizes = model_sizes(experts, torch.nn.Linear(3, 5), vae, vae_decoder=vae_decoder_memory(vae.config))
     assert sizes.expert_params == tuple(sum(p.numel() for p in e.parameters()) for e in experts)
     assert (
         sizes.lora_params == 0
         and sizes.text_encoder_params == 20
         and sizes.vae_base_dim == vae.config.base_dim
-        and sizes.vae_family == "wan2.1"
+        and sizes.vae_decoder_bytes == 51.0
     )
     shape = _shape(tokens_per_rank=16, latent_numel=16 * 2 * 8 * 8, num_frames=5, height=64, width=64)
     for flags, old, ref in [
@@ -361,10 +362,11 @@ def test_vae_decode_term_is_what_the_decoder_holds(family):
     )
     torch.manual_seed(0)
     vae = AutoencoderKLWan(**config).eval()
-    from miles.train.memory_budget import _decode_bytes, vae_widths
+    from miles.models.wan import VAE_DECODER_BYTES, vae_decoder_memory
+    from miles.train.memory_budget import _decode_bytes
 
-    base, got_family = vae_widths(vae.config)
-    assert got_family == family
+    base, k = vae_decoder_memory(vae.config)
+    assert k == VAE_DECODER_BYTES[family]
     up = vae.config.scale_factor_spatial if family == "wan2.2" else 8
     latents = torch.randn(1, vae.config.z_dim, 4, 64 // up, 64 // up)
     with torch.no_grad(), _LiveStorages() as live:
@@ -373,6 +375,6 @@ def test_vae_decode_term_is_what_the_decoder_holds(family):
         del video
     f, h, w = frames.shape[1], frames.shape[3], frames.shape[4]
     shape = _shape(num_frames=f, height=h, width=w, micro_batch=1)
-    formula = _decode_bytes(shape, base, family, 4, tiling=False)
+    formula = _decode_bytes(shape, base, k, 4, tiling=False)
     # the formula counts two fp32 videos; the decoder's peak holds one
     assert abs(live.peak + 12 * f * h * w - formula) <= 0.05 * formula, (live.peak, formula)

@@ -1,6 +1,9 @@
 """The embedded tiny Wan pipeline: deterministic build, offline round trip through from_pretrained."""
 
 import hashlib
+import json
+import multiprocessing
+import time
 
 import pytest
 import torch
@@ -87,26 +90,76 @@ def test_random_text_encoder_is_the_seeded_draw(tmp_path):
         assert torch.equal(p, q), f"{name} depends on the chunk size"
 
 
-def test_concurrent_builder_keeps_a_published_folder(tmp_path, monkeypatch):
-    """Runs launched side by side on a fresh cache each build the tiny models: a variant another
-    process published while this one was building stays in place (it was deleted under its readers,
-    and a band launch failed reading a half-removed folder), and this build's copy is discarded."""
+class _CountingBuild:
+    """A stand-in for ``build_pipeline`` that is slow and counts its builds in ``log``."""
 
-    class Fake:
-        def __init__(self, variant):
-            self.variant = variant
+    def __init__(self, log, delay_s=0.0):
+        self.log, self.delay_s = log, delay_s
 
-        def save_pretrained(self, folder, safe_serialization=True):
-            other = tmp_path / self.variant  # another process publishes meanwhile
-            other.mkdir(exist_ok=True)
-            (other / "model_index.json").write_text("{}")
-            (other / "theirs").write_text("kept")
-            (folder / "model_index.json").write_text("{}")
+    def __call__(self, variant):
+        log, delay_s = self.log, self.delay_s
 
-    monkeypatch.setattr(tiny, "build_pipeline", Fake)
-    tiny.build_tiny_models(tmp_path)
-    for variant in tiny.ALL_VARIANTS:
-        assert (tmp_path / variant / "theirs").read_text() == "kept"
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(tiny.ALL_VARIANTS)  # no temp folder left
-    tiny.build_tiny_models(tmp_path, force=True)  # force rebuilds: this process's copy replaces theirs
-    assert not (tmp_path / tiny.ALL_VARIANTS[0] / "theirs").exists()
+        class Fake:
+            def save_pretrained(self, folder, safe_serialization=True):
+                with open(log, "a") as f:
+                    f.write(variant + "\n")
+                time.sleep(delay_s)
+                (folder / "model_index.json").write_text(json.dumps({"text_encoder": ["transformers", "X"]}))
+                (folder / "text_encoder").mkdir()
+                (folder / "text_encoder" / "model.safetensors").write_bytes(b"w" * 64)
+
+        return Fake()
+
+
+def _race(root, log):
+    tiny.build_pipeline = _CountingBuild(log, delay_s=0.3)  # in this forked child only
+    tiny.tiny_model_path(root, "two_expert")
+
+
+def test_ranks_racing_on_a_fresh_cache_build_each_variant_once(tmp_path):
+    """The ranks of a launch all ask for the tiny model on a fresh cache at once (issue 46: the I2V
+    try-it failed in 2 of 3 fresh clones, a text_encoder folder left empty): under the build lock
+    the first builds each variant once and the others find it whole."""
+    log = tmp_path / "builds.log"
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_race, args=(tmp_path / "cache", log)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0, 0, 0]
+    built = log.read_text().split()
+    assert sorted(built) == sorted(tiny.ALL_VARIANTS), f"variants built more than once: {built}"
+    assert all(tiny.is_complete(tmp_path / "cache" / v) for v in tiny.ALL_VARIANTS)
+    assert not [p.name for p in (tmp_path / "cache").iterdir() if p.name.startswith(".") and p.is_dir()]
+
+
+def test_a_folder_with_a_missing_or_cut_file_is_rebuilt(tmp_path, monkeypatch):
+    """A folder with its ``model_index.json`` but an emptied component (the state the race left) is
+    not taken as complete: it is rebuilt, and only it."""
+    log = tmp_path / "builds.log"
+    monkeypatch.setattr(tiny, "build_pipeline", _CountingBuild(log))
+    root = tmp_path / "cache"
+    tiny.build_tiny_models(root)
+    log.unlink()
+    for f in (root / "ti2v" / "text_encoder").iterdir():
+        f.unlink()  # the empty text_encoder folder of the issue
+    (root / "i2v" / "text_encoder" / "model.safetensors").write_bytes(b"w")  # cut short
+    assert (root / "ti2v" / "model_index.json").is_file() and not tiny.is_complete(root / "ti2v")
+    path = tiny.tiny_model_path(root, "single_expert")
+    assert sorted(log.read_text().split()) == ["i2v", "ti2v"]
+    assert path == root / "single_expert" and tiny.is_complete(root / "ti2v")
+    # an old folder with no manifest (built before it existed) is rebuilt too
+    (root / "i2v" / tiny.MANIFEST).unlink()
+    tiny.build_tiny_models(root)
+    assert log.read_text().split()[-1] == "i2v"
+
+
+def test_force_rebuilds_a_published_folder(tmp_path, monkeypatch):
+    log = tmp_path / "builds.log"
+    monkeypatch.setattr(tiny, "build_pipeline", _CountingBuild(log))
+    tiny.build_tiny_models(tmp_path / "c")
+    (tmp_path / "c" / "two_expert" / "theirs").write_text("old")
+    tiny.build_tiny_models(tmp_path / "c", force=True)
+    assert not (tmp_path / "c" / "two_expert" / "theirs").exists()
+    assert len(log.read_text().split()) == 2 * len(tiny.ALL_VARIANTS)
