@@ -10,7 +10,7 @@ TORCH_VERSION ?= 2.13.0
 # torchrun through miles.launch: a refusal ends in one line and exit code 2, with no launcher traceback
 TORCHRUN := $(PY) -m miles.launch --standalone --nproc-per-node $(NPROC)
 
-.PHONY: setup lint format test test-fast e2e e2e-random e2e-gpu e2e-bands tiny-model world-model world-i2v-model bench bench-learning clean
+.PHONY: setup lint format test test-fast e2e e2e-random e2e-gpu e2e-bands stress-sp tiny-model world-model world-model-81 world-i2v-model bench bench-learning clean
 
 setup: $(STAMP)
 
@@ -66,6 +66,14 @@ WORLD_DIR ?= .cache/world-wan
 world-model: setup
 	$(PY) -m miles.pretrain_world $(WORLD_DIR)
 
+# The 81-frame world's prior (a 16-channel world VAE + a 2-block Wan prior with 128-wide heads, one
+# GPU, bf16, compiled; estimated ~5 min of prior training: python -m miles.pretrain_world_81 --estimate)
+# into WORLD_81_DIR, its report beside it (pretrain_report_81.json). configs/world_81.yaml reads
+# miles/world/pipeline_81, whose configs are committed: make world-model-81 WORLD_81_DIR=miles/world/pipeline_81.
+WORLD_81_DIR ?= .cache/world-wan-81
+world-model-81: setup
+	$(PY) -m miles.pretrain_world_81 $(WORLD_81_DIR)
+
 # The same recipe shape on one GPU.
 e2e-gpu: tiny-model
 	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(PY) -m miles.launch --standalone --nproc-per-node 1 train_grpo.py \
@@ -74,6 +82,16 @@ e2e-gpu: tiny-model
 # Every SP band (sp1/dp4, u4r1, u2r2, u1r4, dp2xu2) for 5 rollouts, each run twice: a table in runs/bands.
 e2e-bands: tiny-model
 	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(PY) bench/e2e_bands.py --out runs/bands --double-run
+
+# Native-crash stress (not part of `make test`): the sp layouts (u2r2, u4r1, u1r4, dp2xu2) launched in
+# turn under glibc's heap checks with faulthandler in every rank; runs/sp_stress/stress.json counts
+# crashes and diverged runs (docs/reliability.md). STRESS_RUNS launches per layout, STRESS_CHECK
+# malloc|asan|none.
+STRESS_RUNS ?= 3
+STRESS_CHECK ?= malloc
+stress-sp: tiny-model
+	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 nice -n 19 $(PY) bench/sp_stress.py --out runs/sp_stress \
+		--runs $(STRESS_RUNS) --check $(STRESS_CHECK)
 
 # One-GPU benchmarks (needs CUDA): the trainer's step vs stock diffusers at Wan shapes.
 bench: setup

@@ -148,8 +148,17 @@ def launch(
     if args.algorithm == "sft":  # its videos: renders of the world's training prompts (main writes them)
         cmd += ["--data.prompt-file", str(args.out / "sft_data" / "train.jsonl")]
     cmd += args.extra
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
+    finished = args.out / "runs" / f"{name}.finished"  # train_grpo.py: rank<R> once its work returned 0
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "WANDB_MODE": "disabled",
+        "PYTHONFAULTHANDLER": "1",
+        "MILES_FINISHED_DIR": str(finished),
+    }
     for attempt in range(2):
+        shutil.rmtree(finished, ignore_errors=True)
         t0 = time.perf_counter()
         try:
             proc = subprocess.run(
@@ -159,17 +168,25 @@ def launch(
         except subprocess.TimeoutExpired as e:
             rc, output = -1, f"{e.stdout or ''}{e.stderr or ''}\n[e2e_bands] timed out after {args.timeout}s"
         wall = time.perf_counter() - t0
-        # A rank that died without a Python traceback (a rare gloo teardown abort on CPU) gets one
-        # retry from a clean run directory; a traceback or a timeout is a real failure.
-        launcher_only = rc > 0 and not any("[rank" in ln and "Traceback" in ln for ln in output.splitlines())
-        if rc == 0 or attempt or not launcher_only:
+        done = len(list(finished.glob("rank*"))) if finished.is_dir() else 0
+        shutil.rmtree(finished, ignore_errors=True)
+        if rc == 0 or attempt or not teardown_failure(rc, done, args.nproc):
             break
-        print(f"[e2e_bands] {name}: a rank died without a traceback; retrying once", flush=True)
+        print(
+            f"[e2e_bands] {name}: failed (rc {rc}) after every rank had finished; retrying once", flush=True
+        )
         shutil.rmtree(run_dir, ignore_errors=True)
     log = args.out / "logs" / f"{name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     log.write_text(" ".join(cmd) + "\n\n" + output)
     return rc, output, wall
+
+
+def teardown_failure(rc: int, ranks_finished: int, nproc: int) -> bool:
+    """Whether a failed launch failed only after every rank's work had returned (a process teardown
+    failure), the one failure worth a retry. A rank that died mid-run, also by a native abort with no
+    Python traceback (a heap check's SIGABRT: the crash of issue 46), is a real failure, never retried."""
+    return rc != 0 and ranks_finished == nproc
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

@@ -32,6 +32,22 @@ a pipeline folder that ``python -m miles.eval`` evaluates afterwards (held-out p
 seeds: the same evaluation as our trainer's). Writes ``peer.json`` (per run: training reward per
 optimizer step with wall time, held-out adherence per export) and, with ``--ours`` (a
 ``bench/learning.py`` JSON), ``side_by_side.{json,png,md}``.
+
+``--recipe own`` (issue 42) runs the peer at its own Wan recipe instead of the matched settings:
+``general_ocr_wan2_1`` of yifan123/flow_grpo ``config/grpo.py`` (31c71b9) as
+``scripts/train_wan2_1.py`` (32b48fd) trains it — LoRA r 32, alpha 64, Gaussian init on
+to_q/to_k/to_v/to_out.0 (its target list; Wan has no add_* projections), lr 1e-4, clip 1e-3, KL
+beta 0.004 against the same transformer with its adapter disabled (the reference forward of every
+trained step, its ``kl_loss`` written out below), 20 denoising steps, timestep fraction 0.99
+(int(19.8) = 19 trained steps), guidance 4.5 with CFG training, no autocast (its LoRA path keeps
+fp32), and its EMA of the LoRA weights (decay 0.9, every 8 steps) in the exports it evaluates. The
+batch stays the world's (``--prompts-per-rollout`` x ``--group-size``, 2 optimizer steps a rollout)
+so both trainers see the same prompts. ``--num-frames 81 --height 480 --width 832 --model
+miles/world/pipeline_81 --config configs/world_81.yaml`` runs it on the 81-frame world.
+
+The side by side compares training rewards per rollout on both sides: the peer logs one row per
+optimizer step (two a rollout, the same rollout mean), ours one a rollout, so each side is first
+reduced to one value a rollout and the windows are the same count of rollouts (``WINDOW``).
 """
 
 from __future__ import annotations
@@ -50,6 +66,14 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 MODES = {"cfg": 4.0, "nocfg": 1.0}
+WINDOW = 5
+"""Rollouts averaged at each end of a training-reward curve, the same count on both sides."""
+LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
+"""flow_grpo's LoRA targets that exist in Wan (its list adds SD3's add_* projections)."""
+OWN_RECIPE = dict(
+    clip_range=1e-3, beta=0.004, lora_rank=32, lr=1e-4, timestep_fraction=0.99, num_steps=20, cfg_guidance=4.5
+)
+"""flow_grpo's Wan recipe (config/grpo.py ``general_ocr_wan2_1`` at 31c71b9); plus EMA and fp32."""
 
 
 def load_peer(checkout: Path) -> dict:
@@ -70,7 +94,12 @@ def load_peer(checkout: Path) -> dict:
     fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "compute_log_prob")
     namespace = {"torch": torch, "sde_step_with_logprob": sde_step_with_logprob}
     exec(compile(ast.Module(body=[fn], type_ignores=[]), str(script), "exec"), namespace)
+    try:
+        from flow_grpo.ema import EMAModuleWrapper
+    except ImportError:  # only --recipe own needs it
+        EMAModuleWrapper = None
     return {
+        "ema": EMAModuleWrapper,
         "sample": wan_pipeline_with_logprob,
         "compute_log_prob": namespace["compute_log_prob"],
         "tracker": PerPromptStatTracker,
@@ -110,7 +139,7 @@ def rollout(peer, pipe, prompts, neg, guidance, args, generator_seed: int) -> di
             [pipe.text_encoder], [pipe.tokenizer], prompts, args.max_sequence_length
         )
     torch.manual_seed(generator_seed)
-    with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"), torch.no_grad():
+    with torch.autocast(device.type, torch.bfloat16, enabled=_autocast(args, device)), torch.no_grad():
         videos, latents, log_probs, _ = peer["sample"](
             pipe,
             prompt_embeds=embeds,
@@ -120,13 +149,26 @@ def rollout(peer, pipe, prompts, neg, guidance, args, generator_seed: int) -> di
             output_type="pt",
             return_dict=False,
             num_frames=args.num_frames,
-            height=args.size,
-            width=args.size,
+            height=args.height or args.size,
+            width=args.width or args.size,
         )
     return rollout_record(pipe, videos, embeds, latents, log_probs)
 
 
-def train_rollout(peer, pipe, samples, advantages, neg, cfg, optimizer, args) -> list[dict]:
+def _autocast(args, device) -> bool:
+    """bf16 autocast on CUDA, except flow_grpo's LoRA path (``--recipe own``), which runs fp32."""
+    return device.type == "cuda" and args.lora_rank == 0
+
+
+def kl_loss(prev_sample_mean, prev_sample_mean_ref, std_dev_t, dt_ref) -> torch.Tensor:
+    """flow_grpo's ``kl_loss`` (scripts/train_wan2_1.py, the training loop, beta > 0), written out."""
+    kl = ((prev_sample_mean - prev_sample_mean_ref) ** 2).mean(dim=(1, 2, 3), keepdim=True) / (
+        2 * (std_dev_t * dt_ref) ** 2
+    )
+    return torch.mean(kl)
+
+
+def train_rollout(peer, pipe, samples, advantages, neg, cfg, optimizer, args, ema=None) -> list[dict]:
     """flow_grpo's inner epoch on one rollout: shuffle, split into ``batches_per_rollout`` optimizer
     steps, each accumulating micro-batches × trained steps; its loss, written out."""
     transformer = pipe.transformer
@@ -147,10 +189,15 @@ def train_rollout(peer, pipe, samples, advantages, neg, cfg, optimizer, args) ->
             embeds = sample["prompt_embeds"]
             negative_embeds = neg.repeat(len(embeds), 1, 1) if cfg.train.cfg else None
             for j in range(num_train_timesteps):
-                with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
-                    _, log_prob, _, std_dev_t, dt = peer["compute_log_prob"](
+                with torch.autocast(device.type, torch.bfloat16, enabled=_autocast(args, device)):
+                    _, log_prob, mean, std_dev_t, dt = peer["compute_log_prob"](
                         transformer, pipe, sample, j, embeds, negative_embeds, cfg
                     )
+                    if args.beta > 0:  # its reference: the same weights with the adapter disabled
+                        with torch.no_grad(), transformer.disable_adapter():
+                            _, _, mean_ref, _, dt_ref = peer["compute_log_prob"](
+                                transformer, pipe, sample, j, embeds, negative_embeds, cfg
+                            )
                 # --- flow_grpo scripts/train_wan2_1.py, training loop (beta = 0) ---
                 adv = torch.clamp(adv_mb, -cfg.train.adv_clip_max, cfg.train.adv_clip_max)
                 ratio = torch.exp(log_prob - sample["log_probs"][:, j])
@@ -160,23 +207,54 @@ def train_rollout(peer, pipe, samples, advantages, neg, cfg, optimizer, args) ->
                 )
                 policy_loss = torch.mean(torch.maximum(unclipped_loss, clipped_loss))
                 policy_loss = policy_loss * std_dev_t.mean() / dt.mean()
-                (policy_loss / accumulation).backward()  # accelerate divides by the accumulation steps
+                loss = policy_loss
+                if args.beta > 0:
+                    loss = policy_loss + args.beta * kl_loss(mean, mean_ref, std_dev_t, dt_ref)
+                (loss / accumulation).backward()  # accelerate divides by the accumulation steps
                 info["clipfrac"].append(float((torch.abs(ratio - 1.0) > cfg.train.clip_range).float().mean()))
                 info["policy_loss"].append(float(policy_loss.detach()))
+            if ema is not None:  # its loop steps the EMA after each micro-batch's timesteps
+                ema.step(trainable(transformer), optimizer.state_steps)
         torch.nn.utils.clip_grad_norm_(transformer.parameters(), args.max_grad_norm)
         optimizer.step()
         optimizer.zero_grad()
+        optimizer.state_steps += 1  # its global_step: optimizer steps so far
         logs.append({k: sum(v) / len(v) for k, v in info.items()})
     return logs
 
 
-def export(pipe, model_path: Path, out: Path) -> None:
-    """A pipeline folder for ``python -m miles.eval``: the world's components, the trained transformer."""
+def trainable(transformer) -> list:
+    return [p for p in transformer.parameters() if p.requires_grad]
+
+
+def with_lora(transformer, rank: int):
+    """flow_grpo's LoRA: ``get_peft_model`` with r ``rank``, alpha 2 r, Gaussian init, its targets."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(
+        r=rank, lora_alpha=2 * rank, init_lora_weights="gaussian", target_modules=LORA_TARGETS
+    )
+    return get_peft_model(transformer, config)
+
+
+def export(pipe, model_path: Path, out: Path, ema=None) -> None:
+    """A pipeline folder for ``python -m miles.eval``: the world's components, the trained transformer
+    (LoRA: merged into a copy; with ``ema``, its EMA weights, as flow_grpo's checkpoints hold)."""
+    import copy
+
     out.mkdir(parents=True, exist_ok=True)
     for item in model_path.iterdir():
         if item.name != "transformer" and not (out / item.name).exists():
             os.symlink(item.resolve(), out / item.name)
-    pipe.transformer.save_pretrained(out / "transformer")
+    transformer = pipe.transformer
+    if not hasattr(transformer, "merge_and_unload"):
+        transformer.save_pretrained(out / "transformer")
+        return
+    if ema is not None:
+        ema.copy_ema_to(trainable(transformer), store_temp=True)
+    copy.deepcopy(transformer).merge_and_unload().save_pretrained(out / "transformer")
+    if ema is not None:
+        ema.copy_temp_to(trainable(transformer))
 
 
 def run_mode(peer, mode: str, args) -> dict:
@@ -185,16 +263,24 @@ def run_mode(peer, mode: str, args) -> dict:
     from miles.data.prompts import GroupSampler, load_prompts
     from miles.rewards.world import world_scores
 
-    guidance = MODES[mode]
+    guidance = args.cfg_guidance if mode == "cfg" else MODES[mode]
     cfg = peer_config(guidance, args)
     device = torch.device(args.device)
     torch.manual_seed(args.seed)
     pipe = WanPipeline.from_pretrained(args.model, torch_dtype=torch.float32).to(device)
     pipe.set_progress_bar_config(disable=True)
-    pipe.transformer.requires_grad_(True)
+    pipe.transformer.requires_grad_(args.lora_rank == 0)
+    if args.lora_rank:
+        pipe.transformer = with_lora(pipe.transformer, args.lora_rank)
     optimizer = torch.optim.AdamW(
-        pipe.transformer.parameters(), lr=args.lr, betas=(0.9, 0.999), weight_decay=1e-4, eps=1e-8
+        trainable(pipe.transformer), lr=args.lr, betas=(0.9, 0.999), weight_decay=1e-4, eps=1e-8
     )
+    optimizer.state_steps = 0
+    ema = None
+    if args.ema:
+        if peer["ema"] is None:
+            raise SystemExit("--ema needs flow_grpo.ema in the checkout (EMAModuleWrapper)")
+        ema = peer["ema"](trainable(pipe.transformer), decay=0.9, update_step_interval=8, device=device)
     prompts = [p.text for p in load_prompts(args.prompt_file)]
     sampler = GroupSampler(len(prompts), args.prompts_per_rollout, args.group_size, 0, 1, seed=args.seed)
     with torch.no_grad():
@@ -204,29 +290,35 @@ def run_mode(peer, mode: str, args) -> dict:
     t0, step = time.monotonic(), 0
     for r in range(args.num_rollouts):
         if r % args.export_every == 0:
-            export(pipe, Path(args.model), out / f"export_step{step:04d}")
+            export(pipe, Path(args.model), out / f"export_step{step:04d}", ema)
             result["exports"].append({"step": step, "rollout": r, "time_s": time.monotonic() - t0})
         batch = next(sampler)
         texts = [prompts[i] for i in batch.prompt_indices]
         pipe.transformer.eval()
         samples = rollout(peer, pipe, texts, neg, guidance, args, args.seed * 100003 + r)
-        rewards = world_scores(samples.pop("videos").float().cpu(), texts)["adherence"]
+        rewards = world_scores(samples.pop("videos").float(), texts)["adherence"].cpu()
         tracker = peer["tracker"](global_std=False)
         advantages = torch.as_tensor(
             tracker.update(texts, rewards.numpy()), dtype=torch.float32, device=device
         )
         pipe.transformer.train()
-        logs = train_rollout(peer, pipe, samples, advantages, neg, cfg, optimizer, args)
+        logs = train_rollout(peer, pipe, samples, advantages, neg, cfg, optimizer, args, ema)
         for log in logs:
             step += 1
-            row = {"step": step, "reward": float(rewards.mean()), "time_s": time.monotonic() - t0, **log}
+            row = {
+                "step": step,
+                "rollout": r,
+                "reward": float(rewards.mean()),
+                "time_s": time.monotonic() - t0,
+            }
+            row.update(log)
             result["train"].append(row)
         print(
             f"peer-{mode} rollout {r}: reward {float(rewards.mean()):.3f} clipfrac {logs[-1]['clipfrac']:.3f}"
         )
         if args.time_limit and time.monotonic() - t0 > args.time_limit:
             break
-    export(pipe, Path(args.model), out / f"export_step{step:04d}")
+    export(pipe, Path(args.model), out / f"export_step{step:04d}", ema)
     result["exports"].append({"step": step, "rollout": r + 1, "time_s": time.monotonic() - t0})
     result["wall_s"] = time.monotonic() - t0
     return result
@@ -249,7 +341,22 @@ def evaluate_exports(result: dict, mode: str, args) -> None:
         e["adherence"] = summary["summary"]["eval/reward/mean"]
 
 
-def side_by_side(peer: dict, ours: dict, pairs: dict[str, str], out: Path) -> None:
+def rollout_rewards(train: list[dict], steps_per_rollout: int = 1) -> list[float]:
+    """One training reward a rollout. The peer logs a row per optimizer step (its ``rollout`` field,
+    or ``steps_per_rollout`` rows a rollout in older JSON), each the rollout's mean; ours logs one a
+    rollout. The result is the same unit on both sides, so windows count the same rollouts."""
+    per: dict[int, float] = {}
+    for i, t in enumerate(train):
+        per.setdefault(t.get("rollout", i // steps_per_rollout), t["reward"])
+    return list(per.values())
+
+
+def reward_window(rewards: list[float], n: int = WINDOW) -> tuple[float, float]:
+    """Mean of the first and of the last ``n`` rollouts."""
+    return sum(rewards[:n]) / len(rewards[:n]), sum(rewards[-n:]) / len(rewards[-n:])
+
+
+def side_by_side(peer: dict, ours: dict, pairs: dict[str, str], out: Path, peer_steps: int = 2) -> None:
     """Both trainers' curves per optimizer step: training reward and held-out adherence."""
     rows = {}
     for mode, name in pairs.items():
@@ -258,13 +365,14 @@ def side_by_side(peer: dict, ours: dict, pairs: dict[str, str], out: Path) -> No
             mine = {k: [r for r in ours[name][k] if r["step"] <= last] for k in ("train", "eval")}
             rows[mode] = {"flow_grpo": peer[mode], "miles": {"run": name, **mine}}
     (out / "side_by_side.json").write_text(json.dumps(rows, indent=1))
-    lines = ["| mode | trainer | held-out first → last (step) | training reward, first → last 10 steps |"]
+    lines = [
+        f"| mode | trainer | held-out first → last (step) | training reward, first → last {WINDOW} rollouts |"
+    ]
     lines.append("|---|---|---|---|")
     for mode, both in rows.items():
         for who, res in both.items():
             ev = res["eval"] if who == "miles" else [e for e in res["exports"] if "adherence" in e]
-            tr = [t["reward"] for t in res["train"]]
-            first, last = sum(tr[:10]) / 10, sum(tr[-10:]) / 10
+            first, last = reward_window(rollout_rewards(res["train"], 1 if who == "miles" else peer_steps))
             lines.append(
                 f"| {mode} | {who} | {ev[0]['adherence']:.3f} → {ev[-1]['adherence']:.3f} ({ev[-1]['step']}) "
                 f"| {first:.3f} → {last:.3f} ({res['train'][-1]['step']} steps) |"
@@ -313,6 +421,13 @@ def plot(rows: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def apply_own_recipe(args) -> None:
+    """``--recipe own``: flow_grpo's Wan settings (``OWN_RECIPE``), its EMA exports, LoRA in fp32."""
+    for key, value in OWN_RECIPE.items():
+        setattr(args, key, value)
+    args.ema = True
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
@@ -337,13 +452,24 @@ def main() -> None:
     p.add_argument("--max-grad-norm", type=float, default=1.0)
     p.add_argument("--max-sequence-length", type=int, default=64)
     p.add_argument("--num-frames", type=int, default=9)
-    p.add_argument("--size", type=int, default=64)
+    p.add_argument("--size", type=int, default=64, help="height and width unless --height/--width")
+    p.add_argument("--height", type=int, default=None)
+    p.add_argument("--width", type=int, default=None)
+    p.add_argument("--beta", type=float, default=0.0, help="KL weight against the adapter-free reference")
+    p.add_argument("--lora-rank", type=int, default=0, help="0: full fine-tune; flow_grpo's Wan: 32")
+    p.add_argument("--ema", action="store_true", help="export its EMA of the trained weights")
+    p.add_argument("--cfg-guidance", type=float, default=MODES["cfg"], help="the cfg mode's guidance")
+    p.add_argument(
+        "--recipe", choices=["matched", "own"], default="matched", help="own: flow_grpo's Wan recipe"
+    )
     p.add_argument("--export-every", type=int, default=25, help="rollouts between exports (evaluated after)")
     p.add_argument("--time-limit", type=float, default=None, help="stop training after this many s")
     p.add_argument("--from-json", type=Path, default=None, help="a peer.json of an earlier run: no training")
     p.add_argument("--ours", type=Path, default=None, help="a bench/learning.py learning.json to set beside")
     p.add_argument("--ours-runs", nargs=2, default=["cfg-dp4-lr1e-4", "dp4-lr1e-4"], metavar=("CFG", "NOCFG"))
     args = p.parse_args()
+    if args.recipe == "own":
+        apply_own_recipe(args)
     args.out.mkdir(parents=True, exist_ok=True)
     results = json.loads(args.from_json.read_text()) if args.from_json else {}
     peer = None if args.from_json else load_peer(args.flow_grpo.resolve())
@@ -357,7 +483,9 @@ def main() -> None:
         )
     if args.ours:
         ours = json.loads(args.ours.read_text())
-        side_by_side(results, ours, dict(zip(("cfg", "nocfg"), args.ours_runs)), args.out)
+        side_by_side(
+            results, ours, dict(zip(("cfg", "nocfg"), args.ours_runs)), args.out, args.batches_per_rollout
+        )
 
 
 if __name__ == "__main__":

@@ -226,6 +226,10 @@ class EvalConfig:
     """Evaluate every N rollouts (and at the start and the end); 0: only at the start and the end."""
     num_seeds: int = 2
     """Samples per prompt, with fixed seeds 0..num_seeds-1."""
+    seed: int = 0
+    """The held-out noise's own seed, independent of ``run.seed``: runs of different run seeds are
+    scored on the same noise (paired), as is ``python -m miles.eval``. Change it only to measure
+    the evaluation's own spread."""
     sampler: Literal["rollout", "pipeline"] = "rollout"
     """``rollout``: the rollout's grid with ODE steps and its CFG (what training optimises, without
     its noise); ``pipeline``: the model folder's own scheduler, stepped as WanPipeline does (what
@@ -316,6 +320,7 @@ RANGES: dict[str, tuple[str, str]] = {
     "rollout.tis_cap": ("[0, 1000]", "0: no correction; otherwise >= 1, 2 is usual"),
     "eval.every": (f"[0, {MAX_STEPS}]", "0: only at the start and the end"),
     "eval.num_seeds": ("[1, 1000]", ""),
+    "eval.seed": ("[0, 9223372036854775807]", "an int64: the held-out noise's seed, the same for every run"),
     "eval.num_steps": ("[1, 1000]", "the scheduler has 1000 timesteps"),
     "train.num_rollouts": (f"[1, {MAX_STEPS}]", ""),
     "train.steps_per_rollout": ("[1, 4096]", ""),

@@ -1,8 +1,9 @@
 """Held-out evaluation: deterministic samples of a prompt set, scored by every configured reward.
 
-Each (prompt, seed) pair is one sample; its initial noise is a function of the run seed, the prompt's
-index and the seed only, and sampling is deterministic (ODE, no SDE noise), so an evaluation is
-a function of the weights. The samples are cut into micro-batches of ``micro_batch_size`` in a
+Each (prompt, seed) pair is one sample; its initial noise is a function of ``eval.seed`` (not the
+run seed: runs of any ``run.seed`` are scored on the same noise), the prompt's index and the seed
+only, and sampling is deterministic (ODE, no SDE noise), so an evaluation is a function of the
+weights. The samples are cut into micro-batches of ``micro_batch_size`` in a
 fixed order and the micro-batches are dealt to dp ranks round-robin (sp peers take the same ones),
 so every layout evaluates the same micro-batches — dp4 and dp2 × sp2 give the same scores.
 
@@ -44,6 +45,7 @@ class EvalSettings:
     routing: object  # the model family's ExpertRouting (model.routing)
     micro_batch_size: int
     seed: int
+    """``eval.seed``: keys the held-out noise (``eval_noise``), the same for every run seed."""
     sampler: str = "rollout"
     video_size: tuple[int, int, int] | None = None
     """(num_frames, height, width) in pixels: the size image conditions are encoded at (I2V)."""
@@ -60,7 +62,7 @@ def eval_settings(cfg, model) -> EvalSettings:
         guidance_scales=guidance_scales(r, len(model.transformers)),
         routing=model.routing,
         micro_batch_size=cfg.train.micro_batch_size,
-        seed=cfg.run.seed,
+        seed=cfg.eval.seed,
         sampler=cfg.eval.sampler,
         video_size=(r.num_frames, r.height, r.width),
     )

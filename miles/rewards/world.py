@@ -30,7 +30,10 @@ with soft rules that stay meaningful through a tiny VAE's blur:
 
     world_adherence = Q · (colour + motion + size) / 3          in [0, 1]
 
-with ramp(x; a, b) = clamp((x - a) / (b - a), 0, 1). Rendered ground truth scores ~1, a prompt
+with ramp(x; a, b) = clamp((x - a) / (b - a), 0, 1). At another ``miles.world.Shape`` (read from
+the videos: frames, height, width) the motion ramp's px/frame scale by ``Shape.speed_scale`` and
+A_mid's radius by ``Shape.scale``, as the world's render scales the ball; at 9 x 64 x 64 both are 1
+(bitwise the 9-frame reward). Rendered ground truth scores ~1, a prompt
 wrong in every attribute ~0, each wrong attribute costs a third. Vectorised over the batch and
 frames (no per-pixel Python); scores (B,) float32 on the videos' device.
 """
@@ -45,7 +48,7 @@ import torch.nn.functional as F
 
 from miles.rewards.base import Reward, check_videos
 from miles.rewards.registry import register_reward
-from miles.world.world import DIRECTION, RGB, parse_prompt
+from miles.world.world import DIRECTION, RGB, Shape, parse_prompt
 
 _TOP_K = 8
 _HUE_TOLERANCE_DEG = 15.0
@@ -63,6 +66,12 @@ def ramp(x: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
     return ((x - lo) / (hi - lo)).clamp(0.0, 1.0)
 
 
+def lower_median(x: torch.Tensor) -> torch.Tensor:
+    """``x.median(dim=-1).values`` (the lower of the two middle values) through a sort: the same
+    numbers, and deterministic on CUDA, where ``median`` with indices is refused in deterministic mode."""
+    return x.sort(dim=-1).values[..., (x.shape[-1] - 1) // 2]
+
+
 def hue_deg(rgb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(hue in degrees [0, 360), chroma) of RGB (..., 3); invariant to adding grey."""
     r, g, b = rgb.unbind(-1)
@@ -76,10 +85,10 @@ _PALETTE_HUE = {name: float(hue_deg(torch.tensor(rgb, dtype=torch.float64))[0]) 
 def _colour_score(rgb: torch.Tensor, colours: list[str]) -> torch.Tensor:
     """Soft colour check of object colours (B, 3) against the prompts' colour names: (B,)."""
     hue, chroma = hue_deg(rgb)
-    palette = torch.tensor(list(_PALETTE_HUE.values()), dtype=hue.dtype)  # (K,)
+    palette = torch.tensor(list(_PALETTE_HUE.values()), dtype=hue.dtype, device=hue.device)  # (K,)
     dh = (hue[:, None] - palette[None, :]).abs() % 360.0
     dh = torch.minimum(dh, 360.0 - dh)  # (B, K) circular hue distance in degrees
-    target = torch.tensor([list(_PALETTE_HUE).index(c) for c in colours])
+    target = torch.tensor([list(_PALETTE_HUE).index(c) for c in colours], device=hue.device)
     p_target = torch.softmax(-0.5 * (dh / _HUE_SIGMA_DEG) ** 2, dim=1).gather(1, target[:, None])[:, 0]
     d_target = dh.gather(1, target[:, None])[:, 0]
     near = torch.exp(-0.5 * ((d_target - _HUE_TOLERANCE_DEG).clamp_min(0.0) / _HUE_TOLERANCE_DEG) ** 2)
@@ -92,7 +101,7 @@ def _object_masks(frames: torch.Tensor) -> dict[str, torch.Tensor]:
     # a 3x3 box filter first: pixel noise averages down, a disc's half-peak outline barely moves
     smooth = F.avg_pool2d(frames.flatten(0, 1), 3, stride=1, padding=1, count_include_pad=False)
     smooth = smooth.view_as(frames)
-    background = smooth.flatten(-2).median(dim=-1).values  # (B, F, 3)
+    background = lower_median(smooth.flatten(-2))  # (B, F, 3)
     d = (smooth - background[..., None, None]).abs().amax(dim=2)  # (B, F, H, W)
     peak = d.flatten(-2).topk(_TOP_K, dim=-1).values.mean(dim=-1)  # (B, F)
     m = ramp(d / peak.clamp_min(1e-3)[..., None, None], 0.3, 0.7)  # (B, F, H, W)
@@ -106,7 +115,7 @@ def _object_masks(frames: torch.Tensor) -> dict[str, torch.Tensor]:
     compact = area**2 / (2 * math.pi * inertia.clamp_min(1e-6))
     present = ramp(peak, 0.08, 0.2)
     steady = ramp(peak / peak.amax(dim=1, keepdim=True).clamp_min(1e-6), 0.5, 0.8)
-    steady = steady * ramp(area / area.median(dim=1, keepdim=True).values.clamp_min(1e-6), 0.5, 0.75)
+    steady = steady * ramp(area / lower_median(area)[:, None].clamp_min(1e-6), 0.5, 0.75)
     quality = present * steady * ramp(compact, 0.45, 0.75)  # (B, F)
     return {"mask": m, "area": area, "cx": cx, "cy": cy, "quality": quality}
 
@@ -133,7 +142,9 @@ def world_scores(videos: torch.Tensor, prompts: Sequence[str]) -> dict[str, torc
     """
     check_videos(videos, prompts)
     attrs = [parse_prompt(p) for p in prompts]
-    frames = videos.detach().float().cpu().clamp(0.0, 1.0)
+    shape = Shape(*videos.shape[1:2], *videos.shape[-2:])
+    # on the videos' device: an 81 x 480 x 832 video is 97M values, seconds a sample on a CPU
+    frames = videos.detach().float().clamp(0.0, 1.0)
     obj = _object_masks(frames)
     q = obj["quality"]  # (B, F)
     wq = q.sum(dim=1).clamp_min(1e-6)
@@ -144,14 +155,15 @@ def world_scores(videos: torch.Tensor, prompts: Sequence[str]) -> dict[str, torc
     colour = _colour_score(rgb, [a.colour for a in attrs])
 
     v = _velocity(obj["cx"], obj["cy"], q)  # (B, 2)
-    u = torch.tensor([DIRECTION[a.motion] for a in attrs], dtype=v.dtype)
+    u = torch.tensor([DIRECTION[a.motion] for a in attrs], dtype=v.dtype, device=v.device)
     along = (v * u).sum(dim=-1)
     cos = along / v.norm(dim=-1).clamp_min(1e-6)
-    motion = ramp(along, 0.5, 2.0) * ramp(cos, 0.7, 0.95)
+    motion = ramp(along, 0.5 * shape.speed_scale, 2.0 * shape.speed_scale) * ramp(cos, 0.7, 0.95)
 
     log_area = (q * obj["area"].clamp_min(1.0).log()).sum(dim=1) / wq
-    big = torch.sigmoid((log_area - _LOG_AREA_MID) / _SIZE_TEMPERATURE)
-    size = torch.where(torch.tensor([a.size == "big" for a in attrs]), big, 1.0 - big)
+    log_area_mid = _LOG_AREA_MID + 2 * math.log(shape.scale)  # log(pi (7.4 scale)^2)
+    big = torch.sigmoid((log_area - log_area_mid) / _SIZE_TEMPERATURE)
+    size = torch.where(torch.tensor([a.size == "big" for a in attrs], device=big.device), big, 1.0 - big)
 
     quality = q.mean(dim=1)
     scores = {"quality": quality, "colour": colour, "motion": motion, "size": size}

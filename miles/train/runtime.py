@@ -1,10 +1,12 @@
-"""The process's runtime: torch.distributed from torchrun's environment, deterministic kernels,
-peak memory."""
+"""The process's runtime: torch.distributed from torchrun's environment, crash traces, deterministic
+kernels, peak memory."""
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import resource
+import sys
 from datetime import timedelta
 
 import torch
@@ -12,12 +14,13 @@ import torch.distributed as dist
 
 from miles.train.launcher_watch import watch_launcher
 
-__all__ = ["deterministic_kernels", "init_distributed", "peak_memory_gib"]
+__all__ = ["deterministic_kernels", "enable_crash_traces", "init_distributed", "peak_memory_gib"]
 
 
 def init_distributed(timeout_s: float) -> torch.device:
     """Initialise torch.distributed from torchrun's environment (a single process works too). Under
     torchrun, the rank stops if its launcher dies (:mod:`miles.train.launcher_watch`)."""
+    enable_crash_traces()
     watch_launcher()
     # Before CUDA starts: the rollout's gathered expert and training's activations take turns with
     # the memory, and fixed-size segments fragmented it (A14B rehearsal: 60.5 GiB allocated, 83.6
@@ -32,6 +35,8 @@ def init_distributed(timeout_s: float) -> torch.device:
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         timeout = timedelta(seconds=timeout_s)
         if "MASTER_PORT" in os.environ or os.environ["WORLD_SIZE"] != "1":
+            # a port given alone means this host (torchrun sets both)
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             dist.init_process_group(backend, timeout=timeout)  # torchrun's rendezvous
         else:
             # One process without torchrun: a store on a port the OS picks (bound, not guessed), so
@@ -42,6 +47,19 @@ def init_distributed(timeout_s: float) -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def enable_crash_traces() -> None:
+    """Every thread's Python stack on stderr when this rank dies by a fatal signal (SIGSEGV, SIGABRT,
+    SIGBUS, SIGFPE, SIGILL), before the signal's default action: a native abort (glibc's heap checks,
+    a C++ ``terminate``) in one rank of a torchrun launch then names where each thread was, where
+    torchrun alone reports only the exit code. A no-op when already enabled (``PYTHONFAULTHANDLER``)."""
+    if faulthandler.is_enabled():
+        return
+    try:  # the process's own stderr (fd 2), also where a test has replaced sys.stderr
+        faulthandler.enable(file=sys.__stderr__, all_threads=True)
+    except (AttributeError, OSError, ValueError):  # no stderr with a file descriptor: nothing to write to
+        pass
 
 
 def peak_memory_gib(device: torch.device) -> float:

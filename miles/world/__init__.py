@@ -11,8 +11,11 @@ from pathlib import Path
 from miles.world.world import (
     COLOURS,
     MOTIONS,
+    SHAPE_9,
+    SHAPE_81,
     SIZES,
     Attributes,
+    Shape,
     all_attributes,
     heldout_prompts,
     is_heldout,
@@ -26,13 +29,19 @@ from miles.world.world import (
 
 PIPELINE_DIR = Path(__file__).with_name("pipeline")
 """The committed pretrained world pipeline (a diffusers Wan folder)."""
+PIPELINE_81_DIR = Path(__file__).with_name("pipeline_81")
+"""The 81-frame world's pipeline: configs committed, weights from ``make world-model-81``."""
 
 __all__ = [
     "COLOURS",
     "MOTIONS",
+    "PIPELINE_81_DIR",
     "PIPELINE_DIR",
+    "SHAPE_81",
+    "SHAPE_9",
     "SIZES",
     "Attributes",
+    "Shape",
     "all_attributes",
     "heldout_prompts",
     "is_heldout",

@@ -14,6 +14,13 @@ size s, in the order of ``COLOURS``, ``MOTIONS``, ``SIZES``): a combination is h
 ``m == (c + 2 s) mod 4``. That holds out 8 of 32 triples while every colour-motion,
 colour-size and motion-size *pair* still appears in training: only the triples are new.
 ``prompts_train.txt`` and ``prompts_heldout.txt`` beside this file list the two splits.
+
+**Shapes.** The same world renders at any ``Shape`` (frames, height, width): lengths (radius,
+margin) scale with the short side (``Shape.scale`` = min(H, W) / 64) and the speed so that a ball
+travels the same fraction of the frame over the clip (``Shape.speed_scale``). ``SHAPE_9`` (9 x 64 x
+64) is the world every 9-frame result uses, bitwise as before shapes existed; ``SHAPE_81`` (81 x 480
+x 832) is Wan2.1's: 21 x 60 x 104 latents after a 4x temporal / 8x spatial VAE, 32,760 tokens
+after the 1 x 2 x 2 patch. ``miles.rewards.world`` reads the shape from the videos it scores.
 """
 
 from __future__ import annotations
@@ -47,6 +54,35 @@ DIRECTION = {"left": (-1.0, 0.0), "right": (1.0, 0.0), "up": (0.0, -1.0), "down"
 """Unit (dx, dy) in image coordinates (y grows downwards)."""
 MARGIN = 2.0
 """Pixels kept free between the disc's edge and the frame's border on every frame."""
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A video size of the world: its lengths and speeds scale with the frame (module docstring)."""
+
+    num_frames: int = NUM_FRAMES
+    height: int = HEIGHT
+    width: int = WIDTH
+
+    def __post_init__(self) -> None:
+        if min(self.num_frames, self.height, self.width) < 1:
+            raise ValueError(f"a world video needs >= 1 frame and sides >= 1 px, got {self}")
+
+    @property
+    def scale(self) -> float:
+        """Pixels of this shape per pixel of the 64 x 64 world (the short side's ratio)."""
+        return min(self.height, self.width) / min(HEIGHT, WIDTH)
+
+    @property
+    def speed_scale(self) -> float:
+        """Speed factor: the ball crosses the same fraction of the frame over the whole clip."""
+        return self.scale * (NUM_FRAMES - 1) / max(self.num_frames - 1, 1)
+
+
+SHAPE_9 = Shape()
+"""The 9-frame 64 x 64 world (every 9-frame result)."""
+SHAPE_81 = Shape(81, 480, 832)
+"""Wan2.1's 480p shape: 21 x 60 x 104 latents, 32,760 tokens a sample."""
 
 PROMPT_FILES = {
     "train": Path(__file__).with_name("prompts_train.txt"),
@@ -125,43 +161,45 @@ def read_prompt_file(split: str) -> list[str]:
     return [line for line in PROMPT_FILES[split].read_text().splitlines() if line.strip()]
 
 
-def trajectory(attrs: Attributes, seed: int) -> tuple[np.ndarray, float]:
+def trajectory(attrs: Attributes, seed: int, shape: Shape = SHAPE_9) -> tuple[np.ndarray, float]:
     """Disc centres (F, 2) as (x, y) in pixels, and the radius, for ``attrs`` and ``seed``.
 
-    The seed draws the exact radius (within +-6%), the speed (2.5-3.5 px a frame) and the start,
-    uniformly among the starts that keep the disc ``MARGIN`` px inside the frame on every frame.
+    The seed draws the exact radius (within +-6%), the speed (2.5-3.5 px a frame at ``SHAPE_9``,
+    times ``shape.speed_scale``) and the start, uniformly among the starts that keep the disc
+    ``MARGIN`` px (times ``shape.scale``) inside the frame on every frame.
     """
     rng = np.random.default_rng(seed)
-    radius = RADIUS[attrs.size] * (1.0 + rng.uniform(-RADIUS_JITTER, RADIUS_JITTER))
-    speed = rng.uniform(*SPEED_RANGE)
-    travel = speed * (NUM_FRAMES - 1)
-    lo, hi = radius + MARGIN, WIDTH - radius - MARGIN  # the square is HEIGHT = WIDTH
+    radius = RADIUS[attrs.size] * shape.scale * (1.0 + rng.uniform(-RADIUS_JITTER, RADIUS_JITTER))
+    speed = rng.uniform(*SPEED_RANGE) * shape.speed_scale
+    travel = speed * (shape.num_frames - 1)
     direction = np.array(DIRECTION[attrs.motion])
     start = np.empty(2)
-    for axis in range(2):
+    for axis, extent in enumerate((shape.width, shape.height)):
+        lo, hi = radius + MARGIN * shape.scale, extent - radius - MARGIN * shape.scale
         d = direction[axis]
         # the moving axis must fit the whole travel; the other axis is free within [lo, hi]
         a, b = (lo + travel, hi) if d < 0 else (lo, hi - travel) if d > 0 else (lo, hi)
         start[axis] = rng.uniform(a, b)
-    steps = np.arange(NUM_FRAMES)[:, None]
+    steps = np.arange(shape.num_frames)[:, None]
     return start + steps * speed * direction, float(radius)
 
 
-def render(attrs: Attributes, seed: int) -> torch.Tensor:
-    """The video of ``attrs`` for ``seed``: (F, 3, H, W) float32 in [0, 1], deterministic."""
-    centres, radius = trajectory(attrs, seed)
-    ys = torch.arange(HEIGHT, dtype=torch.float64) + 0.5  # pixel centres
-    xs = torch.arange(WIDTH, dtype=torch.float64) + 0.5
-    c = torch.from_numpy(centres)  # (F, 2)
+def render(attrs: Attributes, seed: int, shape: Shape = SHAPE_9, device="cpu") -> torch.Tensor:
+    """The video of ``attrs`` for ``seed``: (F, 3, H, W) float32 in [0, 1], deterministic, on ``device``
+    (a GPU renders an 81-frame 480 x 832 video in milliseconds, a CPU in about a second)."""
+    centres, radius = trajectory(attrs, seed, shape)
+    ys = torch.arange(shape.height, dtype=torch.float64, device=device) + 0.5  # pixel centres
+    xs = torch.arange(shape.width, dtype=torch.float64, device=device) + 0.5
+    c = torch.from_numpy(centres).to(device)  # (F, 2)
     dist = torch.sqrt(
         (xs[None, None, :] - c[:, 0, None, None]) ** 2 + (ys[None, :, None] - c[:, 1, None, None]) ** 2
     )
     alpha = (radius + 0.5 - dist).clamp(0.0, 1.0)  # (F, H, W): a one-pixel anti-aliased edge
-    colour = torch.tensor(RGB[attrs.colour], dtype=torch.float64).view(1, 3, 1, 1)
+    colour = torch.tensor(RGB[attrs.colour], dtype=torch.float64, device=device).view(1, 3, 1, 1)
     video = BACKGROUND + alpha[:, None] * (colour - BACKGROUND)  # (F, 3, H, W)
     return video.float()
 
 
-def render_prompt(prompt: str, seed: int) -> torch.Tensor:
-    """``render(parse_prompt(prompt), seed)``."""
-    return render(parse_prompt(prompt), seed)
+def render_prompt(prompt: str, seed: int, shape: Shape = SHAPE_9) -> torch.Tensor:
+    """``render(parse_prompt(prompt), seed, shape)``."""
+    return render(parse_prompt(prompt), seed, shape)

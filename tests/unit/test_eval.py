@@ -144,6 +144,40 @@ def test_rollout_sampler_gathers_one_expert_at_a_time_bitwise(model):
     assert gathered == [list(range(len(model.transformers)))]  # the pipeline sampler: all at once
 
 
+def test_heldout_noise_is_keyed_by_eval_seed_not_run_seed(model):
+    """Runs of different ``run.seed`` score a checkpoint on the same held-out noise (bitwise the same
+    scores); ``eval.seed`` moves it; ``run.seed`` still moves the training rollouts' noise."""
+    from types import SimpleNamespace
+
+    from miles.config import parse_args
+    from miles.eval.evaluate import eval_settings
+    from miles.train.collect import Collector
+
+    if len(model.transformers) > 1:
+        pytest.skip("the noise does not depend on the experts: one model is enough")
+
+    def cfg(*flags):
+        return parse_args(["--config", "configs/tiny_cpu.yaml", "--rollout.num-frames", "5",
+                           "--rollout.height", "32", "--rollout.width", "32", "--rollout.num-steps", "3",
+                           *flags])[0]  # fmt: skip
+
+    run0, run7, other_eval = cfg(), cfg("--run.seed", "7"), cfg("--run.seed", "7", "--eval.seed", "3")
+    rewards = build_rewards({"jpeg_incompressibility": 1.0}, num_frames=2)
+    args = dict(negative_prompt="", max_sequence_length=16, device=torch.device("cpu"))
+    scores = [
+        evaluate(model, rewards, PROMPTS, 2, eval_settings(c, model), **args)["scores"]
+        for c in (run0, run7, other_eval)
+    ]
+    assert torch.equal(scores[0], scores[1])  # paired: the same noise whatever the run seed
+    assert not torch.equal(scores[1], scores[2])  # eval.seed is what keys it
+    shape = model.latent_shape(5, 32, 32)
+    noise = [
+        Collector._rollout_noise(SimpleNamespace(cfg=c, rollout_index=0), [0], [0], shape)[0]
+        for c in (run0, run7)
+    ]
+    assert not torch.equal(noise[0], noise[1])  # training noise still follows run.seed
+
+
 @pytest.mark.parametrize("sampler", ["pipeline", "rollout"])
 def test_evaluate_shows_progress_where_asked(model, capsys, sampler):
     """``progress`` (rank 0 on a terminal): bars for the sampling and the scoring; none otherwise."""

@@ -1,0 +1,295 @@
+"""Stress the sequence-parallel layouts for native crashes: torchrun launches in a loop, heap checks on.
+
+    python bench/sp_stress.py --out runs/sp_stress --runs 5                  # 5 launches of each layout
+    python bench/sp_stress.py --out runs/sp_stress --minutes 60 --layouts u2r2 --load 2
+    python bench/sp_stress.py --out runs/sp_asan --runs 1 --check asan      # AddressSanitizer preloaded
+
+Each launch is the e2e band recipe (``configs/tiny_bands.yaml``: the tiny two-expert Wan, 4 gloo
+processes, ``--deterministic-mode``) at one dp x sp layout, ``--rollouts`` rollouts, a checkpoint
+and the export at the end: every phase of a run (load, rollout, the reward worker thread, training,
+save, export, teardown) runs in every launch. Layouts (``bench/e2e_bands.py``'s bands):
+
+    u2r2 (Ulysses 2 x ring 2), u4r1, u1r4 (dp1 x sp4) · dp2xu2 (dp2 x sp2) · sp1 (dp4)
+
+Every rank runs with ``PYTHONFAULTHANDLER=1`` (the trainer also enables it itself: a fatal signal
+prints every thread's Python stack) and, by ``--check``:
+
+- ``malloc`` (default): glibc's checking allocator (``libc_malloc_debug.so`` preloaded,
+  ``MALLOC_CHECK_=3``) and ``MALLOC_PERTURB_``: freed memory is overwritten, so a read after free
+  gives garbage (a bitwise-different run or a crash) and a write after free or a double free
+  aborts at the next check instead of much later;
+- ``perturb``: ``MALLOC_PERTURB_`` alone, on glibc's own allocator (its per-thread caches, the
+  ``tcache`` of the reported ``malloc(): unaligned tcache chunk detected``, stay on);
+- ``asan``: ``libasan`` preloaded (gcc's), no recompilation: every ``malloc``/``free`` is tracked and
+  freed blocks are quarantined; the intercepted ``memcpy``/``read``/``recv`` of uninstrumented code
+  (gloo, torch) are checked against freed and out-of-bounds memory. The report goes to
+  ``OUT/logs/<launch>.asan.<pid>``;
+- ``none``: as a user runs it.
+
+``--load N`` keeps N busy processes (nice 19) running beside the launches: the reported crash came
+on a loaded machine, where the ranks' threads interleave differently.
+
+Writes ``OUT/stress.json`` after every launch: the settings, one row per launch (layout, exit
+code, seconds, ``crashed``, the kind — ``heap`` (a glibc heap check, a double free, ASan),
+``signal`` (a rank died by a signal), ``error`` (a Python exception), ``timeout`` — whether every
+rank had already finished its work (a teardown failure), the first lines naming the crash, and
+the faulthandler stack of the crashed rank, the sha256 of its metrics) and the counts per layout.
+Deterministic mode makes every launch of a layout bitwise the same, so a passing launch whose
+metrics differ from its layout's first one is counted ``diverged``: a read of freed memory
+(which ``MALLOC_PERTURB_`` fills with garbage) shows up there even when nothing aborts. The log
+of a crashed launch stays in ``OUT/logs``. Exit code 1 when any launch crashed or diverged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "bench"))
+from e2e_bands import BANDS, _stable, read_metrics  # noqa: E402  (bench scripts run as files, not a package)
+
+DEFAULT_LAYOUTS = "u2r2,u4r1,u1r4,dp2xu2"
+MALLOC_DEBUG = ("/usr/lib/x86_64-linux-gnu/libc_malloc_debug.so.0", "/lib64/libc_malloc_debug.so.0")
+ASAN_OPTIONS = (
+    "detect_leaks=0:halt_on_error=1:abort_on_error=1:quarantine_size_mb=256:"
+    "alloc_dealloc_mismatch=0:new_delete_type_mismatch=0:detect_odr_violation=0"
+)
+# Lines that name a native heap error (glibc's messages, ASan's report).
+HEAP_PATTERNS = re.compile(
+    r"malloc\(\)|free\(\)|double free|corrupted|tcache|unaligned .*chunk|malloc_consolidate|"
+    r"AddressSanitizer|heap-use-after-free|heap-buffer-overflow"
+)
+SIGNAL_PATTERNS = re.compile(r"Fatal Python error|Signal \d+ \(SIG\w+\)|exitcode\s*:\s*-\d+|terminate called")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, required=True, help="output directory (stress.json, logs, runs)")
+    p.add_argument("--layouts", default=DEFAULT_LAYOUTS, help="comma-separated bands of bench/e2e_bands.py")
+    p.add_argument("--runs", type=int, default=3, help="launches per layout (taken in turn)")
+    p.add_argument("--minutes", type=float, default=None, help="start no launch after this many minutes")
+    p.add_argument("--rollouts", type=int, default=2, help="rollouts per launch (2 optimizer steps each)")
+    p.add_argument("--prompts", type=int, default=8, help="global prompt groups per rollout")
+    p.add_argument(
+        "--check", choices=("malloc", "perturb", "asan", "none"), default="malloc", help="heap checking"
+    )
+    p.add_argument("--perturb", type=int, default=165, help="MALLOC_PERTURB_ byte (--check malloc, perturb)")
+    p.add_argument("--load", type=int, default=0, help="busy processes (nice 19) beside the launches")
+    p.add_argument("--nproc", type=int, default=4)
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds per launch")
+    p.add_argument("--keep-logs", action="store_true", help="keep the logs of passing launches too")
+    p.add_argument("extra", nargs="*", help="further train_grpo.py flags for every launch (after --)")
+    args = p.parse_args(argv)
+    known = {b[0] for b in BANDS}
+    if unknown := set(args.layouts.split(",")) - known:
+        p.error(f"unknown layouts {sorted(unknown)}; known: {sorted(known)}")
+    if args.runs < 1 or args.rollouts < 1:
+        p.error("--runs and --rollouts must be >= 1")
+    return args
+
+
+def check_env(check: str, perturb: int, log_stem: Path) -> dict[str, str]:
+    """The environment variables of ``--check`` (empty for none); raises when its library is missing."""
+    if check == "none":
+        return {}
+    if check == "perturb":  # glibc's own allocator, tcache and all (the reported crash's)
+        return {"MALLOC_PERTURB_": str(perturb)}
+    if check == "malloc":
+        lib = next((p for p in MALLOC_DEBUG if Path(p).exists()), None)
+        env = {"MALLOC_CHECK_": "3", "MALLOC_PERTURB_": str(perturb)}
+        # glibc >= 2.34 reads MALLOC_CHECK_ only with its debug allocator preloaded.
+        return {**env, "LD_PRELOAD": lib} if lib else env
+    asan = subprocess.run(["gcc", "-print-file-name=libasan.so"], capture_output=True, text=True, check=False)
+    lib = asan.stdout.strip() if asan.returncode == 0 else ""
+    if not lib or not Path(lib).exists():
+        raise SystemExit(
+            "--check asan needs gcc's libasan (apt-get install gcc); `gcc -print-file-name=libasan.so`"
+        )
+    return {
+        "LD_PRELOAD": str(Path(lib).resolve()),
+        "ASAN_OPTIONS": f"{ASAN_OPTIONS}:log_path={log_stem}.asan",
+    }
+
+
+def command(args: argparse.Namespace, sp: int, ulysses: int, name: str) -> list[str]:
+    dp = args.nproc // sp
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
+        "train_grpo.py", "--config", "configs/tiny_bands.yaml",
+        "--sequence-parallel-size", str(sp), "--ulysses-degree", str(ulysses),
+        "--data.prompts-per-rank", str(args.prompts // dp),
+        "--train.num-rollouts", str(args.rollouts), "--train.checkpoint-every", str(args.rollouts),
+        "--train.keep-checkpoints", "0", "--train.no-resume", "--deterministic-mode",
+        "--run.output-dir", str(args.out / "runs"), "--run.name", name,
+        "--run.wandb-mode", "disabled", "--run.no-progress", *args.extra,
+    ]  # fmt: skip
+
+
+def classify(rc: int, output: str, timed_out: bool) -> tuple[str, list[str]]:
+    """(kind, the lines naming it): pass, heap, signal, error or timeout."""
+    lines = output.splitlines()
+    if timed_out:
+        return "timeout", lines[-5:]
+    if rc == 0:
+        return "pass", []
+    heap = [ln for ln in lines if HEAP_PATTERNS.search(ln)]
+    if heap:
+        return "heap", heap[:10]
+    signal = [ln for ln in lines if SIGNAL_PATTERNS.search(ln)]
+    if signal:
+        return "signal", signal[:10]
+    return "error", [ln for ln in lines if "Error" in ln or "Traceback" in ln][:10]
+
+
+def fault_trace(output: str, limit: int = 80) -> list[str]:
+    """The faulthandler report of the first rank that died by a signal (its threads' stacks)."""
+    lines = output.splitlines()
+    start = next((i for i, ln in enumerate(lines) if "Fatal Python error" in ln), None)
+    if start is None:
+        return []
+    return lines[start : start + limit]
+
+
+def launch(args: argparse.Namespace, layout: str, sp: int, ulysses: int, index: int) -> dict:
+    name = f"{layout}_{index:03d}"
+    logs = args.out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    run_dir, finished = args.out / "runs" / name, args.out / "runs" / f"{name}.finished"
+    for path in (run_dir, finished):
+        shutil.rmtree(path, ignore_errors=True)
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "WANDB_MODE": "disabled",
+        "PYTHONFAULTHANDLER": "1",
+        "MILES_FINISHED_DIR": str(finished),  # train_grpo.py: rank<R> once that rank's work returned 0
+        **check_env(args.check, args.perturb, logs / name),
+    }
+    cmd = command(args, sp, ulysses, name)
+    t0 = time.perf_counter()
+    timed_out = False
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.timeout)
+        rc, output = proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as e:
+        rc, timed_out = -1, True
+        output = f"{e.stdout or ''}{e.stderr or ''}\n[sp_stress] timed out after {args.timeout:g}s"
+    wall = time.perf_counter() - t0
+    ranks_done = len(list(finished.glob("rank*"))) if finished.is_dir() else 0
+    kind, lines = classify(rc, output, timed_out)
+    asan_reports = sorted(str(p) for p in logs.glob(f"{name}.asan*"))
+    if asan_reports and kind != "timeout":
+        kind = "heap"
+        lines = lines or [Path(asan_reports[0]).read_text(errors="replace").splitlines()[0]]
+    crashed = kind != "pass"
+    metrics = read_metrics(run_dir)
+    digest = hashlib.sha256(json.dumps([_stable(r) for r in metrics], sort_keys=True).encode()).hexdigest()
+    log = logs / f"{name}.log"
+    if crashed or args.keep_logs:
+        log.write_text(" ".join(cmd) + "\n\n" + output)
+    if not crashed:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    shutil.rmtree(finished, ignore_errors=True)
+    return {
+        "layout": layout,
+        "index": index,
+        "returncode": rc,
+        "wall_s": round(wall, 1),
+        "crashed": crashed,
+        "kind": kind,
+        "metrics_sha256": digest[:16] if metrics and not crashed else None,
+        "ranks_finished": ranks_done,  # == nproc on a crash: it came at teardown, after the work
+        "lines": lines,
+        "fault_trace": fault_trace(output) if crashed else [],
+        "asan_reports": asan_reports,
+        "log": str(log) if crashed or args.keep_logs else None,
+    }
+
+
+def mark_diverged(rows: list[dict]) -> None:
+    """A passing launch whose metrics differ from its layout's first passing launch: ``diverged``
+    (deterministic mode makes every launch of a layout bitwise the same; a read of freed memory,
+    which ``MALLOC_PERTURB_`` fills with garbage, shows up here even when nothing aborts)."""
+    first: dict[str, str] = {}
+    for r in rows:
+        if r["metrics_sha256"] is None:
+            continue
+        ref = first.setdefault(r["layout"], r["metrics_sha256"])
+        r["diverged"] = r["metrics_sha256"] != ref
+
+
+def summarize(rows: list[dict], layouts: list[str]) -> dict:
+    mark_diverged(rows)
+    per = {}
+    for layout in layouts:
+        mine = [r for r in rows if r["layout"] == layout]
+        per[layout] = {
+            "runs": len(mine),
+            "crashes": sum(r["crashed"] for r in mine),
+            "heap": sum(r["kind"] == "heap" for r in mine),
+            "diverged": sum(bool(r.get("diverged")) for r in mine),
+            "mean_wall_s": round(sum(r["wall_s"] for r in mine) / len(mine), 1) if mine else None,
+        }
+    total = {k: sum(v[k] for v in per.values()) for k in ("runs", "crashes", "heap", "diverged")}
+    return {"layouts": per, "total": total}
+
+
+def start_load(n: int) -> list[subprocess.Popen]:
+    busy = "import itertools\nfor _ in itertools.count(): pass"
+    return [subprocess.Popen(["nice", "-n", "19", sys.executable, "-c", busy]) for _ in range(n)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    layouts = args.layouts.split(",")
+    bands = {b[0]: b for b in BANDS}
+    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in ("out",)}
+    settings["env"] = {k: v for k, v in check_env(args.check, args.perturb, Path("<log>")).items()}
+    settings["cpus"] = os.cpu_count()
+    rows: list[dict] = []
+    load = start_load(args.load)
+    t_start = time.monotonic()
+    try:
+        for index in range(args.runs):
+            for layout in layouts:
+                if args.minutes is not None and time.monotonic() - t_start > 60 * args.minutes:
+                    break
+                _, sp, ulysses = bands[layout]
+                row = launch(args, layout, sp, ulysses, index)
+                rows.append(row)
+                note = (
+                    f" ({row['kind']}: {row['lines'][0] if row['lines'] else ''})" if row["crashed"] else ""
+                )
+                print(
+                    f"[sp_stress] {layout} #{index}: rc {row['returncode']}, {row['wall_s']} s{note}",
+                    flush=True,
+                )
+                summary = {"settings": settings, **summarize(rows, layouts), "runs": rows}
+                (args.out / "stress.json").write_text(json.dumps(summary, indent=2) + "\n")
+    finally:
+        for p in load:
+            p.kill()
+            p.wait()
+    summary = summarize(rows, layouts)
+    for layout, v in summary["layouts"].items():
+        print(
+            f"[sp_stress] {layout}: {v['crashes']} crash(es) ({v['heap']} heap), {v['diverged']} diverged, "
+            f"in {v['runs']} launches"
+        )
+    print(f"[sp_stress] wrote {args.out / 'stress.json'}")
+    return 1 if summary["total"]["crashes"] or summary["total"]["diverged"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
