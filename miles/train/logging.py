@@ -13,6 +13,7 @@ import math
 import secrets
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -63,7 +64,10 @@ class MetricsLogger:
         name: str,
         enabled: bool,
         tensorboard: bool = False,
+        secrets: Sequence[str] = (),
     ):
+        """``config``: as saved (its secrets already redacted); ``secrets``: values kept out of the
+        command line wandb records in its run metadata; ``tensorboard``: event files beside wandb."""
         self.enabled = enabled
         self.run_dir = Path(run_dir)
         self._wandb = self._tb = None
@@ -78,17 +82,20 @@ class MetricsLogger:
         if mode != "disabled":
             import wandb
 
-            self._wandb = wandb.init(
-                project=project,
-                name=name,
-                dir=str(self.run_dir),
-                mode=mode,
-                config=config,
-                id=wandb_run_id(self.run_dir),
-                resume="allow",
-                # no history/summary panel at the end: the run's own result line is its last line
-                settings=wandb.Settings(quiet=True),
-            )
+            from miles.train.redact import argv_redacted
+
+            with argv_redacted(secrets):  # wandb keeps sys.argv in its run files
+                self._wandb = wandb.init(
+                    project=project,
+                    name=name,
+                    dir=str(self.run_dir),
+                    mode=mode,
+                    config=config,
+                    id=wandb_run_id(self.run_dir),
+                    resume="allow",
+                    # no history/summary panel at the end: the run's own result line is its last line
+                    settings=wandb.Settings(quiet=True),
+                )
 
     def truncate_after(self, step: int) -> None:
         """Drop rows logged after ``step`` (a resumed run repeats those steps), evaluations too."""

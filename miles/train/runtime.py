@@ -13,12 +13,16 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from miles.train.launcher_watch import watch_launcher
+
 __all__ = ["deterministic_kernels", "enable_crash_traces", "init_distributed", "peak_memory_gib"]
 
 
 def init_distributed(timeout_s: float) -> torch.device:
-    """Initialise torch.distributed from torchrun's environment (a single process works too)."""
+    """Initialise torch.distributed from torchrun's environment (a single process works too). Under
+    torchrun, the rank stops if its launcher dies (:mod:`miles.train.launcher_watch`)."""
     enable_crash_traces()
+    watch_launcher()
     # Before CUDA starts: the rollout's gathered expert and training's activations take turns with
     # the memory, and fixed-size segments fragmented it (A14B rehearsal: 60.5 GiB allocated, 83.6
     # reserved). A user's own PYTORCH_CUDA_ALLOC_CONF wins.

@@ -67,6 +67,8 @@ from miles.train.outcome import stopped_line
 from miles.train.parallelize import compute_dtype, parallelize
 from miles.train.plan import plan_run
 from miles.train.prompt_checks import warn_truncated_prompts
+from miles.train.redact import secret_values
+from miles.train.resume import prompt_fingerprint
 from miles.train.reward_failure import GuardedRewards, reward_failed
 from miles.train.run_dir import clear_run_dir, lock_run_dir
 from miles.train.runtime import deterministic_kernels, init_distributed, maybe_inject_fault, peak_memory_gib
@@ -98,12 +100,12 @@ class Trainer:
         )
         self.run_dir, self.dims = self.plan.run_dir, self.plan.dims
         self.attention_backend = self.plan.attention_backend
-        # The checkpoint to resume: whole, and saved with this model, adapters, prompts, seed, algorithm.
-        self.resume_from = self.plan.resume_from
+        self.resume_from = self.plan.resume_from  # as saved, with this model, adapters, prompts, seed...
+        self.run_lock = lock_run_dir(self.run_dir, secret_values(cfg))  # one launch per dir, before the model
+        # Saved with every checkpoint, checked on resume: the model folder (a resume re-reads its frozen
+        # weights), the prompt file's bytes (the sampler's position refers to them).
+        self.model_fingerprint, self.prompt_fingerprint = self.plan.model_fingerprint, prompt_fingerprint(cfg)
         self._load_inputs()
-        # Saved with every lean checkpoint (a resume re-reads the frozen weights from this folder); the plan
-        # read every JSON and safetensors header, naming a broken or truncated file before any weights load.
-        self.model_fingerprint = self.plan.model_fingerprint
         # The transformers come as meta skeletons: _parallelize shards them, then loads each rank's shards.
         self.model: FamilyModel = self.plan.family.load(
             cfg.model, self.device, experts="skeleton", seed=cfg.run.seed
@@ -145,7 +147,6 @@ class Trainer:
         )
         self._training_state()
         self.stop = GracefulStop(self.device)  # SIGINT/SIGTERM: save at the next safe point, then exit
-        self.run_lock = lock_run_dir(self.run_dir)  # one launch per run directory, before any write
         self.collector = self._collector()
         self._open_run_dir()
         if self.resume_from is not None:
@@ -225,6 +226,7 @@ class Trainer:
             name=cfg.run.name,
             enabled=self.rank == 0,
             tensorboard=cfg.run.tensorboard,
+            secrets=secret_values(cfg),
         )
         if self.rank == 0:
             (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
@@ -368,6 +370,7 @@ class Trainer:
             "sp": self.dims.sp,
             "config": to_dict(self.cfg),
             "model_fingerprint": self.model_fingerprint,
+            "prompt_fingerprint": self.prompt_fingerprint,
             **extra_state(self.lr_scheduler, self.algorithm, self.guard),
         }
 
@@ -416,8 +419,6 @@ class Trainer:
             f"dp {state['dp']} x sp {state['sp']}, now dp {self.dims.dp} x sp {self.dims.sp})"
             f"{self._digest_note()}"
         )
-
-    # ------------------------------------------------------------------------------------------
 
     def train(self) -> None:
         """Every rollout up to ``train.num_rollouts``, then the final evaluation, save and export.
