@@ -29,6 +29,22 @@ def report_user_error(error: Exception) -> None:
     print(f"error: {error}" if rank == 0 else f"error (rank {rank}): {error}", file=sys.stderr, flush=True)
 
 
+def run_preflight_first(cfg) -> bool:
+    """``--preflight``: every rank samples the prior and judges the reward alike (rank 0 prints the
+    table) before any process group forms; False, with a message, when a trained reward has no signal."""
+    from miles.console import configure_library_progress, show_progress
+    from miles.preflight import has_signal, run_preflight
+
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    configure_library_progress(show_progress(cfg.run.progress) and rank0)
+    report = run_preflight(cfg, say=print if rank0 else (lambda text: None))
+    if has_signal(report, list(cfg.reward.weights)):
+        return True
+    if rank0:
+        print("error: --preflight: a trained reward gives GRPO no signal (the table above)", file=sys.stderr)
+    return False
+
+
 def run_dry(cfg, world_size: int | None) -> int:
     """``--dry-run``: the plan, or the refusal the real run would give (exit code 2)."""
     from miles.train.dry_run import dry_run
@@ -59,6 +75,9 @@ def finished_early(cfg) -> int | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    preflight = "--preflight" in argv  # the reward preflight first (miles/preflight.py)
+    argv = [a for a in argv if a != "--preflight"]
     try:
         cfg, opts = parse_args(argv)
         if opts.world_size is not None and not opts.dry_run:
@@ -82,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if (code := finished_early(cfg)) is not None:
         return code
+    if preflight and not run_preflight_first(cfg):
+        return 2
     from miles.train.trainer import Trainer
 
     trainer, last_line = None, None
@@ -104,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         if rank0 and not trainer.stop.agreed:  # printed last, after the logger closed (wandb's lines)
             uses_rewards = trainer.algorithm.uses_rewards
             last_line = result_line(run_dir, trainer.rollout_index, trainer.step, uses_rewards)
+            last_line += f"; {trainer.guard.note}" if trainer.guard.note else ""  # train.guard fired
     except (CheckpointWriteError, ExportWriteError, RewardFailed) as e:  # raised on every rank
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {e}", file=sys.stderr)

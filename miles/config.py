@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextvars
 import dataclasses
+import importlib.util
 import math
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -34,7 +35,7 @@ from miles.algorithms import (
     algorithm_names,
     algorithm_option_classes,
 )
-from miles.config_cli import LAUNCHER_HELP, cli_registry, pop_reward_weights
+from miles.config_cli import LAUNCHER_HELP, check_world_size, cli_registry, pop_reward_weights
 from miles.config_load import ConfigError, check_ranges, check_rules, load_recipe, numeric_fields
 from miles.rewards import reward_option_classes  # the rewards register themselves and their options
 from miles.rewards.from_config import check_reward_names as reward_name_check
@@ -232,6 +233,36 @@ def validate(cfg: Config) -> None:
             "rollout.tis_cap must be >= 1 (the truncation cap of the importance weight; 2 is usual) or 0 (no correction)",
         ),
         (
+            cfg.train.lr_schedule != "cosine"
+            or cfg.train.lr_warmup_steps < cfg.train.num_rollouts * cfg.train.steps_per_rollout,
+            "train.lr_warmup_steps must be below the run's optimizer steps (train.num_rollouts x "
+            "train.steps_per_rollout) for the cosine schedule to have steps to anneal over",
+        ),
+        (
+            cfg.grpo.clip_range != "auto" or cfg.algorithm.name in ("flow_grpo", "grpo_guard"),
+            f"grpo.clip_range auto calibrates Flow-GRPO's ratio clip; algorithm.name {cfg.algorithm.name} "
+            "does not use grpo.clip_range",
+        ),
+        (
+            not cfg.run.tensorboard or importlib.util.find_spec("tensorboard") is not None,
+            "run.tensorboard needs the tensorboard package: pip install 'miles[tensorboard]'",
+        ),
+        (
+            cfg.train.guard == "off" or (bool(cfg.eval.prompt_file) and cfg.eval.every > 0),
+            "train.guard watches the held-out evaluations: it needs eval.prompt_file and eval.every > 0",
+        ),
+        (
+            cfg.train.guard != "kl"
+            or (cfg.algorithm.name in ("flow_grpo", "grpo_guard") and cfg.grpo.kl_beta > 0),
+            "train.guard kl raises the KL coefficient of a run that has one: algorithm.name flow_grpo or "
+            "grpo_guard with grpo.kl_beta > 0 (the reference policy is kept only then)",
+        ),
+        (
+            cfg.train.guard_reward in (None, "reward", *cfg.reward.weights, *cfg.reward.gold),
+            f"train.guard_reward {cfg.train.guard_reward!r} is not evaluated: give reward, a trained reward "
+            f"({', '.join(cfg.reward.weights)}) or a reward.gold one",
+        ),
+        (
             not (cfg.train.overwrite and cfg.train.resume),
             "--train.overwrite deletes the previous run: it needs --train.no-resume",
         ),
@@ -355,6 +386,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
     pre.add_argument("--dry-run", action="store_true")
     pre.add_argument("--world-size", type=int, default=None)
     opts, rest = pre.parse_known_args(argv)
+    check_world_size(opts.world_size)
     default = load_config_file(opts.config) if opts.config else Config()
     rest, weights = pop_reward_weights(rest)
     if weights:

@@ -21,6 +21,17 @@ Launcher options (read before the configuration options below):
 """
 
 _REWARD_WEIGHT_FLAG = "--reward.weights."
+MAX_WORLD_SIZE = 65536
+"""The largest ``--world-size`` a dry run plans for (its plan lists every rank's groups)."""
+
+
+def check_world_size(world_size: int | None) -> None:
+    """``--world-size`` (the dry run's) within [1, MAX_WORLD_SIZE]: a huge one hung the plan."""
+    if world_size is not None and not 1 <= world_size <= MAX_WORLD_SIZE:
+        shown = (
+            str(world_size) if len(str(world_size)) < 30 else f"an integer of {len(str(world_size))} digits"
+        )
+        raise ConfigError(f"--world-size must be in [1, {MAX_WORLD_SIZE}] ranks, got {shown}")
 
 
 def pop_reward_weights(args: list[str]) -> tuple[list[str], dict[str, float]]:

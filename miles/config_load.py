@@ -78,7 +78,7 @@ def check_ranges(cfg: Any, ranges: dict[str, tuple[str, str]]) -> None:
 
 
 def _range_message(name: str, value: float, rule: str, why: str) -> str:
-    """``KEY must be > 0 (why), got V; its range is (0, 8192]``: the side that failed, then the range."""
+    """``KEY must be > 0 (why), got V; its range is (0, 4096]``: the side that failed, then the range."""
     lo, hi, lo_in, hi_in = _interval(rule)
     lo_text, hi_text = (x.strip() for x in rule[1:-1].split(","))
     if value < lo or (value == lo and not lo_in):

@@ -30,6 +30,9 @@ class RunConfig:
     """wandb mode. ``offline`` writes under the run directory (``wandb sync`` it later)."""
     wandb_project: str = "miles"
     """wandb project name."""
+    tensorboard: bool = False
+    """Also log the metrics and evaluation videos to TensorBoard, under the same names as wandb
+    (``<run>/tensorboard``; ``tensorboard --logdir <run>/tensorboard``; the ``tensorboard`` extra)."""
     log_video_every: int = 0
     """Log sample videos (with prompts and rewards) every N rollouts; 0 turns it off."""
     progress: bool = True
@@ -252,7 +255,15 @@ class TrainConfig:
     within an optimizer step). The same micro-batches in rollout and training make the
     recomputed log-probs exact; a fixed size makes samples independent of the dp layout."""
     learning_rate: float = 1e-4
-    """AdamW learning rate."""
+    """AdamW learning rate (the peak of the schedule)."""
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    """After the warm-up: ``constant`` keeps ``learning_rate``; ``cosine`` anneals it to
+    ``lr_min_ratio`` x learning_rate at the run's last optimizer step (torch.optim.lr_scheduler;
+    formula in miles/train/schedule.py)."""
+    lr_warmup_steps: int = 0
+    """Optimizer steps of linear warm-up: the k-th step (from 1) uses learning_rate x k / W; 0: none."""
+    lr_min_ratio: float = 0.0
+    """The cosine schedule's floor, as a fraction of ``learning_rate``."""
     weight_decay: float = 1e-4
     """AdamW weight decay."""
     adam_betas: list[float] = dataclasses.field(default_factory=lambda: [0.9, 0.999])
@@ -276,6 +287,19 @@ class TrainConfig:
     ema_decay: float = 0.0
     """Keep an exponential moving average of the trained weights (e ← decay·e + (1 − decay)·w after
     every optimizer step; sharded like the weights, checkpointed) and evaluate and export it; 0: off."""
+    guard: Literal["off", "warn", "stop", "kl"] = "off"
+    """The over-optimisation guard (miles/train/guard.py): when, over the last ``guard_window``
+    evaluations, the training reward rose while the held-out ``guard_reward`` fell by more than
+    ``guard_margin``: ``warn`` says so; ``stop`` also ends the run and names the best held-out
+    evaluation's checkpoint; ``kl`` multiplies the KL coefficient by ``guard_kl_factor``."""
+    guard_window: int = 2
+    """Evaluation intervals the guard compares across."""
+    guard_margin: float = 0.01
+    """The held-out fall (in the watched reward's units) that counts as over-optimisation."""
+    guard_reward: str | None = None
+    """The held-out reward the guard watches; None: the first ``reward.gold`` reward, else the trained mix."""
+    guard_kl_factor: float = 2.0
+    """``guard: kl``: the factor the KL coefficient is multiplied by at each firing."""
     weight_digest: bool = False
     """Print a sha256 of the full weights after every checkpoint save and load (checks that a resume
     across topologies restores the same bits; gathers every parameter, so off by default)."""
@@ -306,8 +330,8 @@ RANGES: dict[str, tuple[str, str]] = {
     "data.group_size": ("[2, 4096]", "GRPO normalises within a group"),
     "data.max_sequence_length": ("[1, 4096]", "text tokens fed to the text encoder; Wan uses 512"),
     "rollout.num_frames": ("[1, 4097]", "4k+1 frames: 1, 5, 9, ... 81"),
-    "rollout.height": ("(0, 8192]", "pixels, a multiple of 16"),
-    "rollout.width": ("(0, 8192]", "pixels, a multiple of 16"),
+    "rollout.height": ("(0, 4096]", "pixels, a multiple of 16"),
+    "rollout.width": ("(0, 4096]", "pixels, a multiple of 16"),
     "rollout.num_steps": ("[2, 1000]", "the scheduler has 1000 timesteps"),
     "rollout.shift": ("(0, 100]", "Wan uses 3.0 at 480p, 5.0 at 720p"),
     "rollout.guidance_scale": ("[0, 100]", "<= 1 turns CFG off; Wan uses 5"),
@@ -327,6 +351,8 @@ RANGES: dict[str, tuple[str, str]] = {
     "train.steps_per_rollout": ("[1, 4096]", ""),
     "train.micro_batch_size": ("[1, 4096]", ""),
     "train.learning_rate": ("[0, 1]", "AdamW's step size; fine-tunes use 1e-6 to 1e-3"),
+    "train.lr_warmup_steps": (f"[0, {MAX_STEPS}]", "0: no warm-up"),
+    "train.lr_min_ratio": ("[0, 1]", "the cosine floor as a fraction of train.learning_rate"),
     "train.weight_decay": ("[0, 100]", "AdamW's decoupled weight decay"),
     "train.adam_betas": ("[0, 1)", "AdamW's moment decays"),
     "train.adam_eps": ("(0, 1]", "AdamW uses 1e-8"),
@@ -334,4 +360,7 @@ RANGES: dict[str, tuple[str, str]] = {
     "train.checkpoint_every": (f"[0, {MAX_STEPS}]", "0: only at the end"),
     "train.keep_checkpoints": ("[0, 1e6]", "the last K complete checkpoints are kept, 0 keeps every one"),
     "train.ema_decay": ("[0, 1)", "0 turns the EMA off"),
+    "train.guard_window": ("[1, 1000]", "evaluation intervals"),
+    "train.guard_margin": ("[0, 1e6]", "the held-out fall that fires the guard, in the reward's units"),
+    "train.guard_kl_factor": ("(1, 1000]", "the KL coefficient's multiplier at each firing"),
 }

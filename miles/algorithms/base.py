@@ -100,6 +100,19 @@ class Algorithm(abc.ABC):
         """The experts that sample the rollouts: the trained ones unless the algorithm keeps an old policy."""
         return policy.old.transformers if self.uses_old_policy else policy.transformers
 
+    def state_dict(self) -> dict:
+        """What the algorithm learnt during the run beyond the weights (saved in the checkpoint's
+        trainer state; JSON). Default: nothing."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`'s values at a resume. Default: nothing."""
+        del state
+
+    def scale_kl(self, factor: float) -> float:
+        """Multiply the KL coefficient by ``factor`` (``train.guard: kl``); returns the new one."""
+        raise ValueError(f"{self.name} has no KL coefficient the guard can raise")
+
     def after_rollout(self, policy: Policy, step: int) -> dict[str, float]:
         """Called once a rollout's optimizer steps are done (``step``: optimizer steps so far);
         returns metrics to log. Default: nothing."""

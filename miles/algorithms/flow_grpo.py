@@ -34,9 +34,11 @@ from typing import ClassVar, Literal
 import torch
 
 from miles.algorithms.base import Algorithm, Policy
+from miles.algorithms.clip_calibration import calibrated_clip
 from miles.algorithms.registry import register_algorithm
 from miles.algorithms.rollout_correction import RolloutCorrection
-from miles.grpo.losses import grpo_policy_loss
+from miles.console import rank
+from miles.grpo.losses import grpo_policy_loss, policy_log_ratio
 from miles.rollout.batch import MicroBatch, RolloutBatch
 from miles.rollout.sampler import compute_log_prob, sde_step_indices
 from miles.rollout.sde import sde_std_dev, wan_sde_std_dev
@@ -49,14 +51,25 @@ class GRPOConfig:
     """``grpo``: Flow-GRPO's loss, and the group advantages that every algorithm trained on rewards reads."""
 
     RANGES: ClassVar[dict[str, tuple[str, str]]] = {
-        "clip_range": ("(0, 100]", "Flow-GRPO uses 1e-4"),
+        "clip_range": ("(0, 100]", "Flow-GRPO uses 1e-4; or auto"),
+        "target_clipfrac": ("(0, 1)", "the clipped fraction clip_range auto aims at"),
+        "calibration_rollouts": ("[1, 1000]", "rollouts whose second step clip_range auto is measured on"),
         "adv_clip_max": ("(0, 1000]", ""),
         "kl_beta": ("[0, 1e6]", "0 turns the KL term off"),
     }
     """The numeric ranges of its fields (``miles.config.RANGES`` rules)."""
 
-    clip_range: float = 1e-4
-    """PPO ratio clip epsilon (Flow-GRPO uses 1e-4: per-step log-probs are averaged over many dims)."""
+    clip_range: float | Literal["auto"] = 1e-4
+    """PPO ratio clip epsilon (Flow-GRPO uses 1e-4: per-step log-probs are averaged over many dims).
+    ``auto``: measured before the second optimizer step of the first ``calibration_rollouts`` rollouts
+    (the policy has moved once since the rollout), as the clip that ``target_clipfrac`` of them exceed;
+    logged as ``train/clip_range`` and saved with the checkpoint (miles/algorithms/clip_calibration.py)."""
+    target_clipfrac: float = 0.2
+    """With ``clip_range: auto``: the fraction of ratios the calibrated clip range leaves outside 1 ± clip."""
+    calibration_rollouts: int = 3
+    """With ``clip_range: auto``: measured again before the second step of each of the first N rollouts,
+    the last measurement kept (the first update after the initial weights is the largest: on the world
+    its ratio spread is ~3x the later ones')."""
     adv_clip_max: float = 5.0
     """Advantages are clipped to [-adv_clip_max, adv_clip_max]."""
     global_std: bool = False
@@ -90,6 +103,9 @@ class FlowGRPO(Algorithm):
     def __init__(self, cfg):
         self.rollout, self.grpo = cfg.rollout, cfg.grpo
         self.uses_reference = cfg.grpo.kl_beta > 0
+        self.kl_beta = cfg.grpo.kl_beta  # train.guard kl raises it (scale_kl)
+        # grpo.clip_range auto: None until measured before the first rollout's second step
+        self.clip_range = None if cfg.grpo.clip_range == "auto" else float(cfg.grpo.clip_range)
         # rollout.precision fp8: bf16 old log-probs and truncated importance weights (docs/fp8_rollout.md)
         self.correction = RolloutCorrection(cfg.rollout.tis_cap) if cfg.rollout.precision != "bf16" else None
 
@@ -100,6 +116,11 @@ class FlowGRPO(Algorithm):
             errors.append(
                 f"rollout.noise_level must be > 0 with algorithm.name {cfg.algorithm.name} (its SDE steps' "
                 f"log-probabilities divide by the noise), got {cfg.rollout.noise_level!r}"
+            )
+        if cfg.grpo.clip_range == "auto" and cfg.train.steps_per_rollout < 2:
+            errors.append(
+                "grpo.clip_range auto measures the ratios of a rollout's second optimizer step (on its first "
+                "the ratio is 1): it needs train.steps_per_rollout >= 2"
             )
         return errors
 
@@ -116,7 +137,7 @@ class FlowGRPO(Algorithm):
 
     def forwards_per_sample(self, batch: RolloutBatch) -> int:
         cfg = 2 if self.grpo.train_cfg and self.rollout.guidance_scale > 1 else 1
-        return len(batch.sde_steps) * cfg * (2 if self.grpo.kl_beta > 0 else 1)
+        return len(batch.sde_steps) * cfg * (2 if self.kl_beta > 0 else 1)
 
     def _step_weight(self, ro, k: int) -> float:
         """``grpo.step_loss_weight``: 1, or σ_t/√|dt| of SDE step k, with σ_t the step's noise scale
@@ -147,6 +168,38 @@ class FlowGRPO(Algorithm):
             condition=chunk.condition,
         )
 
+    def state_dict(self) -> dict:
+        return {"clip_range": self.clip_range, "kl_beta": self.kl_beta}
+
+    def scale_kl(self, factor: float) -> float:
+        self.kl_beta *= factor
+        return self.kl_beta
+
+    def load_state_dict(self, state: dict) -> None:
+        self.kl_beta = float(state.get("kl_beta", self.kl_beta))
+        if self.grpo.clip_range == "auto" and state.get("clip_range") is not None:
+            self.clip_range = float(state["clip_range"])  # a resume keeps the calibrated value
+
+    @torch.no_grad()
+    def _calibrate(self, policy: Policy, chunks: list[MicroBatch]) -> None:
+        """``grpo.clip_range: auto`` (``miles.algorithms.clip_calibration``): |r − 1| of this step's ratios."""
+        devs = []
+        for chunk in chunks:
+            ro = chunk.rollout
+            for k in range(ro.log_probs.shape[1]):
+                log_prob, mean, std = self._log_prob(policy.transformers, policy, ro, k, chunk)
+                old = ro.log_probs[:, k].to(log_prob.device)
+                old_mean = ro.means[:, k].to(mean.device) if self.ratio_norm else None
+                log_ratio = policy_log_ratio(log_prob, old, mean=mean, std=std, old_mean=old_mean)
+                devs.append((log_ratio.exp() - 1.0).abs())
+        self.clip_range = calibrated_clip(torch.cat(devs), self.grpo.target_clipfrac)
+        if rank() == 0:
+            print(
+                f"[miles] grpo.clip_range auto: {self.clip_range:.3e} (the {1 - self.grpo.target_clipfrac:.0%} "
+                f"quantile of |ratio - 1| before a rollout's second step)",
+                flush=True,
+            )
+
     @torch.no_grad()
     def _reference_mean(self, policy: Policy, ro, k: int, chunk: MicroBatch) -> torch.Tensor:
         with policy.reference() as transformers:
@@ -155,6 +208,10 @@ class FlowGRPO(Algorithm):
     def accumulate(
         self, policy: Policy, batch: RolloutBatch, chunks: list[MicroBatch], step_in_rollout: int = 0
     ) -> dict[str, float]:
+        auto = self.grpo.clip_range == "auto"
+        if auto and step_in_rollout == 1 and batch.rollout_index < self.grpo.calibration_rollouts:
+            self._calibrate(policy, chunks)  # again at each of the first rollouts: the last holds
+        clip_range = self.clip_range if self.clip_range is not None else math.inf  # the ratio is 1 here
         num_k = chunks[0].rollout.log_probs.shape[1]
         samples = sum(c.rollout.log_probs.shape[0] for c in chunks)
         sums = dict.fromkeys(_METRICS, 0.0)
@@ -177,13 +234,13 @@ class FlowGRPO(Algorithm):
                     old, tis = self.correction.old_and_weight(
                         chunk, k, log_prob, old, weight, step_in_rollout
                     )
-                ref_mean = self._reference_mean(policy, ro, k, chunk) if self.grpo.kl_beta > 0 else None
+                ref_mean = self._reference_mean(policy, ro, k, chunk) if self.kl_beta > 0 else None
                 out = grpo_policy_loss(
                     log_prob,
                     old,
                     adv,
-                    self.grpo.clip_range,
-                    beta=self.grpo.kl_beta,
+                    clip_range,
+                    beta=self.kl_beta,
                     mean=mean,
                     ref_mean=ref_mean,
                     std=std,
@@ -197,7 +254,12 @@ class FlowGRPO(Algorithm):
                 for key, value in zip(_METRICS, values):
                     sums[key] += float(value.detach()) * weight
         drift = self.correction.metrics() if self.correction is not None else {}
-        return {**sums, "log_prob_mean_abs_diff": canary, **drift}
+        calibrated = (
+            {"clip_range": self.clip_range}
+            if self.clip_range is not None and self.grpo.clip_range == "auto"
+            else {}
+        )
+        return {**sums, "log_prob_mean_abs_diff": canary, **drift, **calibrated}
 
 
 @register_algorithm("grpo_guard", options=GRPOConfig, section="grpo")

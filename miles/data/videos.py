@@ -23,10 +23,20 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from PIL import Image
 
 FRAME_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 
-__all__ = ["FRAME_SUFFIXES", "VideoItem", "fit_clip", "load_clip", "read_frames", "read_video_jsonl"]
+__all__ = [
+    "FRAME_SUFFIXES",
+    "VideoItem",
+    "check_clip",
+    "check_clips",
+    "fit_clip",
+    "load_clip",
+    "read_frames",
+    "read_video_jsonl",
+]
 
 
 @dataclass(frozen=True)
@@ -76,6 +86,10 @@ def read_video_jsonl(path: str | Path) -> list[VideoItem]:
     """Every item of the JSONL at ``path`` (blank lines skipped, as ``load_prompts`` skips them);
     ValueError naming the file and line for bad JSON, a missing key, or a video that is missing."""
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(
+            f"video JSONL {path} is a directory: give a .jsonl file of {{'video': ..., 'prompt': ...}}"
+        )
     if not path.is_file():
         raise FileNotFoundError(f"video JSONL not found: {path}")
     if path.suffix.lower() != ".jsonl":
@@ -118,8 +132,6 @@ def read_frames(video: Path, max_frames: int | None = None) -> np.ndarray:
     """The first ``max_frames`` (all: None) frames of an mp4 or a frame folder: (F, H, W, 3) uint8."""
     if not video.is_dir():
         return _read_mp4(video, max_frames)
-    from PIL import Image
-
     frames = []
     for f in _frame_files(video)[:max_frames]:
         with Image.open(f) as im:
@@ -127,6 +139,68 @@ def read_frames(video: Path, max_frames: int | None = None) -> np.ndarray:
     if len({fr.shape for fr in frames}) > 1:
         raise ValueError(f"{video}: the frames differ in size ({sorted({fr.shape for fr in frames})})")
     return np.stack(frames)
+
+
+def _ffmpeg_problem(e: Exception) -> str:
+    """ffmpeg's own last line (its error) instead of its banner."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    last = next((line for line in reversed(lines) if not line.startswith(("===", "ffmpeg version"))), "")
+    return f"ffmpeg cannot read it ({last or type(e).__name__})"
+
+
+def check_clip(video: Path, num_frames: int) -> None:
+    """Refuse (ValueError) a video that :func:`load_clip` could not cut a clip of ``num_frames`` from:
+    an mp4 ffmpeg cannot read, with no frames or fewer than ``num_frames``; a frame folder with fewer
+    frames, a frame PIL cannot read, or frames of mixed sizes. Reads no pixels of an mp4 (ffmpeg counts
+    its packets) and only the headers of a folder's frames: the run plan checks every video with it,
+    and ``load_clip`` checks each again before decoding."""
+    if video.is_dir():
+        files = _frame_files(video)[:num_frames]
+        sizes = {}
+        for f in files:
+            try:
+                with Image.open(f) as im:
+                    sizes[f.name] = im.size
+            except (OSError, SyntaxError) as e:
+                raise ValueError(f"the frame {f.name} is not a readable image ({e})") from None
+        if len(set(sizes.values())) > 1:
+            shown = sorted({(w, h) for w, h in sizes.values()})
+            raise ValueError(
+                f"the frames differ in size (width x height {shown}): every frame must have one size"
+            )
+        count = len(files)
+    else:
+        import imageio_ffmpeg
+
+        try:
+            count = int(imageio_ffmpeg.count_frames_and_secs(str(video))[0])
+        except (OSError, RuntimeError, ValueError) as e:
+            raise ValueError(_ffmpeg_problem(e)) from None
+    if count == 0:
+        raise ValueError("holds no frames")
+    if count < num_frames:
+        raise ValueError(f"has {count} frames; the recipe needs rollout.num_frames = {num_frames}")
+
+
+def check_clips(items: list[VideoItem], num_frames: int) -> None:
+    """:func:`check_clip` of every item (a few ffmpeg processes at a time), every refusal listed at once
+    naming its JSONL line (a ValueError with ``problems``, one each)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def problem(item: VideoItem) -> str | None:
+        try:
+            check_clip(item.video, num_frames)
+        except ValueError as e:
+            return f"{item.where}: video {item.video}: {e}"
+        return None
+
+    with ThreadPoolExecutor(max_workers=min(8, len(items) or 1)) as pool:
+        problems = [p for p in pool.map(problem, items) if p]
+    if problems:
+        shown = problems[:20] + ([f"and {len(problems) - 20} more videos"] if len(problems) > 20 else [])
+        error = ValueError("\n".join(shown))
+        error.problems = shown
+        raise error
 
 
 def fit_clip(frames: np.ndarray, num_frames: int, height: int, width: int) -> torch.Tensor:
@@ -148,6 +222,8 @@ def fit_clip(frames: np.ndarray, num_frames: int, height: int, width: int) -> to
 def load_clip(item: VideoItem, num_frames: int, height: int, width: int) -> torch.Tensor:
     """``item``'s clip (``fit_clip``), errors naming its JSONL line."""
     try:
+        check_clip(item.video, num_frames)
         return fit_clip(read_frames(item.video, num_frames), num_frames, height, width)
     except (ValueError, OSError, RuntimeError) as e:
-        raise ValueError(f"{item.where}: video {item.video}: {e}") from None
+        problem = _ffmpeg_problem(e) if "ffmpeg version" in str(e) else e
+        raise ValueError(f"{item.where}: video {item.video}: {problem}") from None

@@ -33,9 +33,9 @@ from miles.files import check_writable, verify_checkpoint
 
 def load_checkpoint_weights(model, checkpoint: Path, model_cfg: ModelConfig) -> None:
     """Load a trainer checkpoint's weights (DCP) into the plain, unsharded experts of ``model``."""
-    import torch.distributed.checkpoint as dcp
     from torch import nn
 
+    from miles.files import load_checkpoint_state
     from miles.models.fingerprint import check_base_model, model_fingerprint
 
     if not (checkpoint / "COMPLETE").is_file():
@@ -51,7 +51,7 @@ def load_checkpoint_weights(model, checkpoint: Path, model_cfg: ModelConfig) -> 
     check_base_model(checkpoint, _saved(checkpoint).get("model_fingerprint"), model_fingerprint(model.path))
     trained = {k: v for k, v in experts.state_dict().items() if model_cfg.lora_rank == 0 or ".lora_" in k}
     state = {"model": trained}
-    dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
+    load_checkpoint_state(state, checkpoint, no_dist=True)  # data only (miles.files)
     experts.load_state_dict(state["model"], strict=model_cfg.lora_rank == 0)
 
 

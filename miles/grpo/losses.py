@@ -64,6 +64,25 @@ def gaussian_mean_kl(mean: Tensor, ref_mean: Tensor, std: Tensor) -> Tensor:
     return sq / (2 * std.float().reshape(mean.shape[0], -1)[:, 0] ** 2)
 
 
+def policy_log_ratio(
+    log_prob: Tensor,
+    old_log_prob: Tensor,
+    *,
+    mean: Tensor | None = None,
+    std: Tensor | None = None,
+    old_mean: Tensor | None = None,
+) -> Tensor:
+    """log r, (B,): the plain ratio's, or with ``old_mean`` GRPO-Guard's normalised one."""
+    log_ratio = log_prob.float() - old_log_prob.float()
+    if old_mean is not None:
+        if mean is None or std is None:
+            raise ValueError("the normalised (GRPO-Guard) ratio needs mean, old_mean and std")
+        s = std.float().reshape(mean.shape[0], -1)[:, 0]
+        bias = ((mean.float() - old_mean.float()) ** 2).mean(dim=tuple(range(1, mean.ndim))) / (2 * s**2)
+        log_ratio = (log_ratio + bias) * s
+    return log_ratio
+
+
 def grpo_policy_loss(
     log_prob: Tensor,
     old_log_prob: Tensor,
@@ -92,13 +111,7 @@ def grpo_policy_loss(
             "log_prob, old_log_prob and advantages must all be (B,), got "
             f"{tuple(log_prob.shape)}, {tuple(old_log_prob.shape)}, {tuple(advantages.shape)}"
         )
-    log_ratio = log_prob.float() - old_log_prob.float()
-    if old_mean is not None:
-        if mean is None or std is None:
-            raise ValueError("the normalised (GRPO-Guard) ratio needs mean, old_mean and std")
-        s = std.float().reshape(mean.shape[0], -1)[:, 0]
-        bias = ((mean.float() - old_mean.float()) ** 2).mean(dim=tuple(range(1, mean.ndim))) / (2 * s**2)
-        log_ratio = (log_ratio + bias) * s
+    log_ratio = policy_log_ratio(log_prob, old_log_prob, mean=mean, std=std, old_mean=old_mean)
     ratio = torch.exp(log_ratio)
     adv = advantages.float()
     unclipped = -adv * ratio

@@ -30,9 +30,19 @@ _SKIP = {".git", ".cache", "__pycache__"}
 _FIX = "re-download or re-convert the model folder (or restore the file from a good copy)"
 
 
+MAX_HEADER_BYTES = 100_000_000
+"""The largest header safetensors itself reads (its ``MAX_HEADER_SIZE``): a length beyond it is damage,
+and reading it would allocate what the file claims (a sparse file can claim tens of GB)."""
+
+
 def safetensors_header(path: Path) -> bytes:
     """The JSON header of a safetensors file (8-byte little-endian length, then the JSON), checked:
-    a ``ValueError`` names the file when it is cut short or its header is not a safetensors header."""
+    a ``ValueError`` names the file when it is cut short or its header is not a safetensors header.
+    The length is bounded before anything is read, and safetensors' own reader (``safe_open``: the
+    lengths, the JSON, every tensor's offsets within the file) has the last word."""
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(path)
     total = path.stat().st_size
     with open(path, "rb") as f:
         head = f.read(8)
@@ -41,6 +51,11 @@ def safetensors_header(path: Path) -> bytes:
                 f"{path} is not a safetensors file (shorter than its 8-byte header length); {_FIX}"
             )
         (size,) = struct.unpack("<Q", head)
+        if size > MAX_HEADER_BYTES:
+            raise ValueError(
+                f"{path} is not a safetensors file: its header claims {size} bytes, more than safetensors "
+                f"reads ({MAX_HEADER_BYTES}); {_FIX}"
+            )
         if size > total - 8:
             raise ValueError(
                 f"{path} is truncated or not a safetensors file ({total} bytes; its header alone claims "
@@ -57,6 +72,11 @@ def safetensors_header(path: Path) -> bytes:
             f"{path} is truncated ({total} bytes; its header needs {8 + size + end}): it was cut short "
             f"(an interrupted download or copy, a full disk); {_FIX}"
         )
+    try:
+        with safe_open(path, framework="pt"):
+            pass
+    except SafetensorError as e:
+        raise ValueError(f"{path} is not a valid safetensors file ({e}); {_FIX}") from None
     return header
 
 

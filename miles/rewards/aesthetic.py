@@ -24,6 +24,7 @@ from miles.rewards import clip_common as cc
 from miles.rewards.base import Reward, check_num_frames, check_videos
 from miles.rewards.pickscore import resolve_dtype
 from miles.rewards.registry import register_reward
+from miles.rewards.resources import ResourceCheck
 
 CLIP_REPO = "openai/clip-vit-large-patch14"
 HEAD_REPO = "camenduru/improved-aesthetic-predictor"
@@ -90,9 +91,11 @@ class Aesthetic(Reward):
         head_path: str | os.PathLike | None = None,
         **_: object,
     ) -> tuple[str, str]:
+        files = ResourceCheck()
         groups = [("config.json",), cc.MODEL_FILES, *cc.PROCESSOR_FILES]
-        clip = cc.check_folder(clip_path, "reward.aesthetic.clip_path", CLIP_REPO, groups)
-        head = cc.check_file(head_path, "reward.aesthetic.head_path", HEAD_REPO, HEAD_FILES)
+        clip = cc.check_clip_folder(files, clip_path, "reward.aesthetic.clip_path", CLIP_REPO, groups)
+        head = files.file(head_path, "reward.aesthetic.head_path", HEAD_REPO, HEAD_FILES)
+        files.done()
         return clip, head
 
     @torch.no_grad()

@@ -18,6 +18,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from miles.models.fingerprint import safetensors_header
+
 
 class Reward(abc.ABC):
     """One scalar reward per video. Constructors validate and load their resources, so that
@@ -60,9 +62,9 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
 
 
 def _safetensors_numel(path: Path) -> int:
-    """Elements of every tensor a safetensors file holds, from its JSON header (no tensor read)."""
-    with open(path, "rb") as f:
-        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    """Elements of every tensor a safetensors file holds, from its JSON header (no tensor read; the
+    header's length bounded and checked by :func:`miles.models.fingerprint.safetensors_header`)."""
+    header = json.loads(safetensors_header(path))
     return sum(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__")
 
 
@@ -88,7 +90,8 @@ def weight_file_bytes(paths: Sequence[str | os.PathLike] | str | os.PathLike, it
 
 
 def check_videos(videos: torch.Tensor, prompts: Sequence[str]) -> None:
-    """Raise ``ValueError`` unless ``videos`` is (B, F, 3, H, W) floating point with B prompts."""
+    """Raise ``ValueError`` unless ``videos`` is (B, F, 3, H, W) floating point, none of B, F, H, W 0,
+    with B prompts."""
     if not isinstance(videos, torch.Tensor) or videos.ndim != 5 or not videos.is_floating_point():
         got = tuple(videos.shape) if isinstance(videos, torch.Tensor) else type(videos).__name__
         raise ValueError(
@@ -97,6 +100,11 @@ def check_videos(videos: torch.Tensor, prompts: Sequence[str]) -> None:
     if videos.shape[2] != 3:
         raise ValueError(
             f"rewards expect RGB frames (C=3 at dim 2 of (B, F, C, H, W)); got shape {tuple(videos.shape)}"
+        )
+    if 0 in videos.shape:
+        raise ValueError(
+            f"rewards expect at least one video of at least one frame of at least 1x1 pixels; got shape "
+            f"{tuple(videos.shape)}"
         )
     if isinstance(prompts, str) or len(prompts) != videos.shape[0]:
         n = "a str" if isinstance(prompts, str) else len(prompts)

@@ -15,41 +15,38 @@ import torch
 from PIL import Image
 
 from miles.rewards.base import frames_to_uint8, sample_frame_indices
+from miles.rewards.resources import ResourceCheck
 
 MODEL_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 PROCESSOR_FILES = (("preprocessor_config.json", "processor_config.json"), ("tokenizer.json", "vocab.json"))
 
 
 def check_folder(path: str | os.PathLike | None, key: str, repo: str, groups: Sequence[Sequence[str]]) -> str:
-    """``path`` as str if it is a folder with one file of each group; else ValueError naming ``repo``."""
-    need = " and ".join("one of " + "/".join(g) if len(g) > 1 else g[0] for g in groups)
-    fix = f"download {repo} to a local folder (e.g. `hf download {repo} --local-dir DIR`)"
-    if path is None or str(path) == "":
-        raise ValueError(f"set {key} to a local folder holding {need}: {fix}; models are never downloaded")
-    path = os.fspath(path)
-    if not os.path.isdir(path):
-        raise ValueError(f"{key}={path!r} is not a folder; {fix} and point {key} at it")
-    present = set(os.listdir(path))
-    for group in groups:
-        if not present.intersection(group):
-            raise ValueError(f"{key}={path!r} holds no {'/'.join(group)}; it must hold {need}: {fix}")
-    return path
+    """``path`` as str if it is a folder with one whole file of each group; else a ``ResourceError``
+    listing every problem, naming ``repo``."""
+    files = ResourceCheck()
+    found = files.folder(path, key, repo, groups)
+    files.done()
+    return found
 
 
 def check_file(path: str | os.PathLike | None, key: str, repo: str, names: Sequence[str]) -> str:
-    """A weights file: ``path`` itself, or the first of ``names`` inside the folder ``path``."""
-    fix = f"download {'/'.join(names)} from {repo}"
-    if path is None or str(path) == "":
-        raise ValueError(f"set {key} to a local file or folder: {fix}; models are never downloaded")
-    path = os.fspath(path)
-    if os.path.isfile(path):
-        return path
-    if os.path.isdir(path):
-        for name in names:
-            if os.path.isfile(os.path.join(path, name)):
-                return os.path.join(path, name)
-        raise ValueError(f"{key}={path!r} holds no {'/'.join(names)}: {fix}")
-    raise ValueError(f"{key}={path!r} does not exist: {fix}")
+    """A whole weights file: ``path`` itself, or the first of ``names`` inside the folder ``path``."""
+    files = ResourceCheck()
+    found = files.file(path, key, repo, names)
+    files.done()
+    return found
+
+
+def check_clip_folder(
+    files: ResourceCheck, path: str | os.PathLike | None, key: str, repo: str, groups: Sequence[Sequence[str]]
+) -> str | None:
+    """A CLIP folder as the reward loads it: its files whole, then its processor loaded by
+    :func:`load_processor`, the constructor's own loader (problems recorded in ``files``)."""
+    found = files.folder(path, key, repo, groups)
+    if found is not None:
+        files.attempt(load_processor, found, key, repo)
+    return found
 
 
 def load_processor(path: str, key: str, repo: str) -> Any:

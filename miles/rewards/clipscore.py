@@ -20,6 +20,7 @@ from miles.rewards import clip_common as cc
 from miles.rewards.base import Reward, check_num_frames, check_videos
 from miles.rewards.pickscore import resolve_dtype
 from miles.rewards.registry import register_reward
+from miles.rewards.resources import ResourceCheck
 
 CLIPSCORE_W = 2.5
 REPO = "openai/clip-vit-base-patch32"
@@ -56,8 +57,11 @@ class CLIPScore(Reward):
 
     @staticmethod
     def check_resources(model_path: str | os.PathLike | None = None, **_: object) -> str:
+        files = ResourceCheck()
         groups = [("config.json",), cc.MODEL_FILES, *cc.PROCESSOR_FILES]
-        return cc.check_folder(model_path, "reward.clipscore.model_path", REPO, groups)
+        path = cc.check_clip_folder(files, model_path, "reward.clipscore.model_path", REPO, groups)
+        files.done()
+        return path
 
     @torch.no_grad()
     def __call__(self, videos: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:

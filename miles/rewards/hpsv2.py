@@ -29,6 +29,7 @@ from miles.rewards import clip_common as cc
 from miles.rewards.base import Reward, check_num_frames, check_videos
 from miles.rewards.pickscore import resolve_dtype
 from miles.rewards.registry import register_reward
+from miles.rewards.resources import ResourceCheck
 
 HPS_REPO = "xswu/HPSv2"
 HPS_FILES = ("HPS_v2.1_compressed.pt", "HPS_v2_compressed.pt")
@@ -93,6 +94,18 @@ def open_clip_to_transformers(state: dict[str, torch.Tensor]) -> dict[str, torch
     return out
 
 
+def clip_config(arch: str) -> object:
+    """The transformers ``CLIPConfig`` of the folder ``arch`` (the architecture the checkpoint fills)."""
+    from transformers import CLIPConfig
+
+    try:
+        return CLIPConfig.from_pretrained(arch, local_files_only=True)
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        raise ValueError(
+            f"could not read a CLIPConfig from reward.hpsv2.processor_path={arch!r} ({e}); expected {ARCH_REPO}'s"
+        ) from e
+
+
 @dataclasses.dataclass(kw_only=True)
 class HPSv2Options:
     """``hpsv2``: HPSv2.1, the cosine of a tuned OpenCLIP ViT-H-14, mean over ``reward.num_frames`` frames."""
@@ -119,13 +132,13 @@ class HPSv2(Reward):
         device: str | torch.device = "cpu",
         dtype: torch.dtype | str = torch.float32,
     ) -> None:
-        from transformers import CLIPConfig, CLIPModel
+        from transformers import CLIPModel
 
         self.num_frames = check_num_frames(num_frames)
         self.dtype = resolve_dtype(dtype)
         ckpt, arch = self.check_resources(model_path, processor_path)
         self.processor = cc.load_processor(arch, "reward.hpsv2.processor_path", ARCH_REPO)
-        model = CLIPModel(CLIPConfig.from_pretrained(arch, local_files_only=True))
+        model = CLIPModel(clip_config(arch))
         try:
             raw = torch.load(ckpt, map_location="cpu", weights_only=True)
             missing, unexpected = model.load_state_dict(
@@ -148,9 +161,13 @@ class HPSv2(Reward):
         processor_path: str | os.PathLike | None = None,
         **_: object,
     ) -> tuple[str, str]:
-        ckpt = cc.check_file(model_path, "reward.hpsv2.model_path", HPS_REPO, HPS_FILES)
+        files = ResourceCheck()
+        ckpt = files.file(model_path, "reward.hpsv2.model_path", HPS_REPO, HPS_FILES)
         groups = [("config.json",), *cc.PROCESSOR_FILES]
-        arch = cc.check_folder(processor_path, "reward.hpsv2.processor_path", ARCH_REPO, groups)
+        arch = cc.check_clip_folder(files, processor_path, "reward.hpsv2.processor_path", ARCH_REPO, groups)
+        if arch is not None:
+            files.attempt(clip_config, arch)
+        files.done()
         return ckpt, arch
 
     @torch.no_grad()

@@ -19,8 +19,13 @@ from collections.abc import Sequence
 import torch
 from PIL import Image
 
+from miles.rewards import clip_common as cc
 from miles.rewards.base import Reward, check_num_frames, check_videos, frames_to_uint8, sample_frame_indices
 from miles.rewards.registry import register_reward
+from miles.rewards.resources import ResourceCheck
+
+PICKSCORE_REPO = "yuvalkirstain/PickScore_v1"
+PROCESSOR_REPO = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"
 
 # flow_grpo divides PickScore by 26 so that rewards sit near 1 (PickScore_v1 logit_scale.exp() = 100).
 PICKSCORE_SCALE = 26.0
@@ -51,29 +56,6 @@ def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
     if isinstance(dtype, str) and dtype in _DTYPES:
         return _DTYPES[dtype]
     raise ValueError(f"reward.dtype must be a torch dtype or one of {sorted(_DTYPES)}; got {dtype!r}")
-
-
-def _check_folder(
-    path: str | os.PathLike | None, key: str, what: str, groups: Sequence[Sequence[str]]
-) -> str:
-    """Return ``path`` as str if it is a folder holding one file of each group, else raise ValueError."""
-    need = " and ".join("one of " + "/".join(g) if len(g) > 1 else g[0] for g in groups)
-    if path is None or str(path) == "":
-        raise ValueError(
-            f"the pickscore reward needs {what}: set {key} to a local folder holding {need} "
-            "(e.g. a copy of yuvalkirstain/PickScore_v1; models are never downloaded)"
-        )
-    path = os.fspath(path)
-    if not os.path.isdir(path):
-        raise ValueError(f"{key}={path!r} is not a folder; set it to a local folder holding {need} ({what})")
-    present = set(os.listdir(path))
-    for group in groups:
-        if not present.intersection(group):
-            raise ValueError(
-                f"{key}={path!r} holds no {'/'.join(group)}; it must be a save_pretrained folder "
-                f"holding {need} ({what})"
-            )
-    return path
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -108,21 +90,15 @@ class PickScore(Reward):
         self.dtype = resolve_dtype(dtype)
         model_path, processor_key, processor_path = self.check_resources(model_path, processor_path)
 
-        from transformers import CLIPModel, CLIPProcessor  # deferred: importing transformers is slow
+        from transformers import CLIPModel  # deferred: importing transformers is slow
 
-        try:
-            self.processor = CLIPProcessor.from_pretrained(processor_path, local_files_only=True)
-        except (OSError, ValueError, TypeError, KeyError) as e:
-            raise ValueError(
-                f"could not load a CLIPProcessor from {processor_key}={processor_path!r} ({e}); it must be a "
-                "save_pretrained folder of a CLIP processor, e.g. laion/CLIP-ViT-H-14-laion2B-s32B-b79K's"
-            ) from e
+        self.processor = cc.load_processor(processor_path, processor_key, PROCESSOR_REPO)
         try:
             model = CLIPModel.from_pretrained(model_path, local_files_only=True)
         except (OSError, ValueError, TypeError, KeyError) as e:
             raise ValueError(
                 f"could not load a CLIPModel from reward.pickscore.model_path={model_path!r} ({e}); it must be a "
-                "save_pretrained folder of a CLIP model, e.g. yuvalkirstain/PickScore_v1"
+                f"save_pretrained folder of a CLIP model, e.g. {PICKSCORE_REPO}"
             ) from e
         self.model = model.to(device=self.device, dtype=self.dtype).eval().requires_grad_(False)
         # Truncate prompts to what the text tower can embed (77 for CLIP).
@@ -134,25 +110,22 @@ class PickScore(Reward):
         processor_path: str | os.PathLike | None = None,
         **_: object,
     ) -> tuple[str, str, str]:
-        """Check the local folders (loading nothing): ``(model path, processor key, processor path)``."""
-        model_path = _check_folder(
-            model_path,
-            "reward.pickscore.model_path",
-            "the PickScore CLIP model",
-            [("config.json",), _MODEL_FILES],
-        )
-        if processor_path is None:
-            processor_key, processor_path = "reward.pickscore.model_path", model_path
-            what = (
-                "the CLIP processor (or set reward.pickscore.processor_path to a separate processor folder)"
-            )
+        """Check the local folders as the constructor reads them (the files whole, the processor loaded;
+        no weights read), listing every problem: ``(model path, processor key, processor path)``."""
+        files = ResourceCheck()
+        model_key = "reward.pickscore.model_path"
+        model = files.folder(model_path, model_key, PICKSCORE_REPO, [("config.json",), _MODEL_FILES])
+        if processor_path is None:  # the processor from the model folder, if that is one
+            processor_key, processor_path = model_key, model_path
+            check_processor = model_path is not None and os.path.isdir(model_path)
         else:
-            processor_key = "reward.pickscore.processor_path"
-            what = "the CLIP processor"
-        processor_path = _check_folder(
-            processor_path, processor_key, what, [_IMAGE_PROCESSOR_FILES, _TOKENIZER_FILES]
-        )
-        return model_path, processor_key, processor_path
+            processor_key, check_processor = "reward.pickscore.processor_path", True
+        processor = None
+        if check_processor:
+            groups = [_IMAGE_PROCESSOR_FILES, _TOKENIZER_FILES]
+            processor = cc.check_clip_folder(files, processor_path, processor_key, PROCESSOR_REPO, groups)
+        files.done()
+        return model, processor_key, processor
 
     @torch.no_grad()
     def __call__(self, videos: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:

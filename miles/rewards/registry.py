@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 import torch
 
 from miles.rewards.base import Reward, check_videos, weight_file_bytes
+from miles.rewards.resources import ResourceError
 
 COMMON_ARGUMENTS = ("num_frames", "device", "dtype")
 """Arguments any reward may take besides its own options: frames sampled per video (``reward.num_frames``),
@@ -243,17 +244,28 @@ def build_rewards(
 def check_resources(
     names: Sequence[str] | Mapping[str, float], options: Mapping[str, Any] | None = None, **common: Any
 ) -> None:
-    """Run each named reward's ``check_resources(**its options)``, if it has one, loading nothing.
+    """Run each named reward's ``check_resources(**its options)``, if it has one, loading no weights;
+    a :class:`~miles.rewards.resources.ResourceError` lists every problem of every reward at once.
 
-    Rewards with weights to load define it as a static or class method that raises ``ValueError``
-    naming the folder to download when their local files are missing: the dry run and
+    Rewards with weights to load define it as a static or class method that checks their local files as
+    their constructor reads them (the constructor calls it first: one function for both) and raises
+    ``ValueError`` naming the folder to download: the dry run, the real run's plan and
     ``build_rewards`` call it before any model is loaded.
     """
     resolved = check_options(options, common)
-    for name in names:
+    problems: list[str] = []
+    for name in dict.fromkeys(names):
         check = getattr(_known(name).factory, "check_resources", None)
-        if check is not None:
+        if check is None:
+            continue
+        try:
             check(**_option_values(name, resolved))
+        except ResourceError as e:
+            problems += e.problems
+        except ValueError as e:
+            problems.append(str(e))
+    if problems:
+        raise ResourceError(problems)
 
 
 def estimated_resident_bytes(

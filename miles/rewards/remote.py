@@ -27,8 +27,10 @@ original videos; float rewards (``sharpness``, ``world_adherence``) see frames r
 The combined score is summed client-side in the order of ``reward.remote.rewards``, as ``MultiReward``
 does, so ``{"remote": 1}`` with ``rewards`` W matches an in-process mix W bitwise.
 
-Failures: connection errors, timeouts and HTTP 429/5xx are retried ``retries`` times,
-waiting ``backoff_s * 2**k`` before retry k+1; each request carries one id over all its
+Failures: connection errors, timeouts, dropped connections and HTTP 429/5xx are retried ``retries``
+times by urllib3's ``Retry`` (mounted through ``requests``' ``HTTPAdapter``: :func:`retry_policy`; the
+first retry at once, then ``backoff_s * 2**(k-1)`` before retry k, or the server's ``Retry-After``);
+each request carries one id over all its
 retries and the server caches its answer per id, so a retried batch is scored once and no sample
 is lost. Other HTTP errors, a malformed body or a wrong number of scores raise
 :class:`RemoteRewardError` at once, naming the URL.
@@ -41,14 +43,15 @@ import json
 import math
 import os
 import threading
-import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
 import requests
 import torch
+from requests.adapters import HTTPAdapter
+from urllib3.util import Retry
 
 from miles.rewards.base import Reward, check_num_frames, check_videos, frames_to_uint8, sample_frame_indices
 from miles.rewards.registry import register_reward
@@ -108,6 +111,11 @@ def decode_request(body: bytes) -> tuple[np.ndarray, list[str], list[str], str]:
         raise ValueError(f"wire version {version} is not supported (this server speaks {WIRE_VERSION})")
     if frames.dtype != np.uint8 or frames.ndim != 5 or frames.shape[-1] != 3:
         raise ValueError(f"videos must be (B, F, H, W, 3) uint8; got {frames.dtype} {frames.shape}")
+    if 0 in frames.shape:
+        raise ValueError(
+            f"videos (B, F, H, W, 3) must hold at least one video of at least one frame of at least 1x1 "
+            f"pixels; got {frames.shape}"
+        )
     ok_strings = all(isinstance(x, list) and all(isinstance(s, str) for s in x) for x in (prompts, rewards))
     if not ok_strings or len(prompts) != frames.shape[0] or not rewards:
         raise ValueError(
@@ -127,50 +135,28 @@ def error_text(response: requests.Response) -> str:
     return repr(response.text[:300])
 
 
-def http_request(
-    session: requests.Session,
-    method: str,
-    url: str,
-    *,
-    retries: int,
-    backoff_s: float,
-    timeout_s: float,
-    on_retry: Callable[[], None] | None = None,
-    **kwargs: Any,
-) -> requests.Response:
-    """Send one request, retrying connection errors, timeouts and ``RETRY_STATUS`` answers.
-
-    Waits ``backoff_s * 2**k`` before retry k+1; returns the first 2xx response. Raises
-    :class:`RemoteRewardError` naming ``url`` for another status (not retried) or after
-    ``retries + 1`` failed attempts.
-    """
-    timeout = (min(_CONNECT_TIMEOUT_S, timeout_s), timeout_s)
-    last = ""
-    for attempt in range(retries + 1):
-        if attempt:
-            time.sleep(backoff_s * 2 ** (attempt - 1))
-            if on_retry is not None:
-                on_retry()
-        try:
-            response = session.request(method, url, timeout=timeout, **kwargs)
-        except (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError) as e:
-            last = f"{type(e).__name__}: {e}"
-            continue
-        if response.status_code in RETRY_STATUS:
-            last = f"HTTP {response.status_code}: {error_text(response)}"
-            continue
-        if not response.ok:
-            raise RemoteRewardError(
-                f"{method} {url} was refused with HTTP {response.status_code} (not retried): "
-                f"{error_text(response)}"
-            )
-        return response
-    raise RemoteRewardError(f"{method} {url} failed after {retries + 1} attempt(s); last error: {last}")
+def retry_policy(retries: int, backoff_s: float) -> Retry:
+    """urllib3's ``Retry`` for the HTTP rewards: up to ``retries`` retries of a connection error, a
+    timeout, a dropped connection or a ``RETRY_STATUS`` answer, for every method (``POST /score`` is
+    idempotent: the server keeps each request id's answer), honouring ``Retry-After``; urllib3 waits
+    0 s before the first retry and ``backoff_s * 2**(k-1)`` before retry k >= 2. The last answer of
+    a status that ran out of retries is returned, not raised, so its error text can be shown."""
+    return Retry(
+        total=retries,
+        connect=retries,
+        read=retries,
+        status=retries,
+        allowed_methods=None,
+        status_forcelist=RETRY_STATUS,
+        backoff_factor=backoff_s,
+        raise_on_status=False,
+    )
 
 
 class HttpClient:
-    """A ``requests`` session with the retry policy of :func:`http_request` and thread-safe counters:
-    what the HTTP rewards (``remote``, ``vlm_judge``) share. Retries are counted as ``num_retries``."""
+    """A ``requests`` session whose retries are urllib3's (:func:`retry_policy`, mounted through
+    ``requests``' ``HTTPAdapter``), with thread-safe counters: what the HTTP rewards (``remote``,
+    ``vlm_judge``) share. Retries are counted as ``num_retries``."""
 
     def __init__(
         self,
@@ -183,22 +169,39 @@ class HttpClient:
     ) -> None:
         self.session = session
         self.timeout_s, self.retries, self.backoff_s = float(timeout_s), retries, backoff_s
+        adapter = HTTPAdapter(max_retries=retry_policy(retries, backoff_s))
+        for scheme in ("http://", "https://"):
+            session.mount(scheme, adapter)
         self._lock = threading.Lock()
         self._counts = dict.fromkeys(counters, 0)
 
     def request(
         self, method: str, url: str, timeout_s: float | None = None, **kwargs: Any
     ) -> requests.Response:
-        return http_request(
-            self.session,
-            method,
-            url,
-            retries=self.retries,
-            backoff_s=self.backoff_s,
-            timeout_s=timeout_s or self.timeout_s,
-            on_retry=lambda: self.count("num_retries"),
-            **kwargs,
-        )
+        """Send one request (retried by the session); return the first 2xx response. Raises
+        :class:`RemoteRewardError` naming ``url`` for another status (not retried) or once the
+        retries ran out."""
+        timeout_s = timeout_s or self.timeout_s
+        attempts = f"failed after {self.retries + 1} attempt(s); last error"
+        try:
+            response = self.session.request(
+                method, url, timeout=(min(_CONNECT_TIMEOUT_S, timeout_s), timeout_s), **kwargs
+            )
+        except (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError) as e:
+            self.count("num_retries", self.retries)
+            raise RemoteRewardError(f"{method} {url} {attempts}: {type(e).__name__}: {e}") from None
+        retried = getattr(response.raw, "retries", None)
+        self.count("num_retries", len(retried.history) if retried is not None else 0)
+        if response.status_code in RETRY_STATUS:  # its retries ran out
+            raise RemoteRewardError(
+                f"{method} {url} {attempts}: HTTP {response.status_code}: {error_text(response)}"
+            )
+        if not response.ok:
+            raise RemoteRewardError(
+                f"{method} {url} was refused with HTTP {response.status_code} (not retried): "
+                f"{error_text(response)}"
+            )
+        return response
 
     def count(self, key: str, n: int = 1) -> None:
         with self._lock:

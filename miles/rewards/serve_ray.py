@@ -56,6 +56,13 @@ REPLICA_LOST = (RayActorError, ActorUnavailableError)
 """What a call raises when its replica died under it: sent again to a live one."""
 
 
+def server_error(e: BaseException) -> str:
+    """A 500's message: the error a reward raised (a Ray task error's cause, not its traceback)."""
+    cause = getattr(e, "cause", None) or e
+    first = next((line for line in str(cause).splitlines() if line.strip()), "")
+    return f"the server failed scoring this request (not a fault of the request): {type(cause).__name__}: {first}"
+
+
 def _json(status: int, obj: object) -> Response:
     headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
     return Response(json.dumps(obj).encode(), status, headers, media_type="application/json")
@@ -106,7 +113,7 @@ class RewardIngress:
             return _json(e.status, {"error": str(e)})
         except Exception as e:  # a reward crashed, or every retry lost its replica: report, keep serving
             self.counts["num_errors"] += 1
-            return _json(500, {"error": f"{type(e).__name__}: {e}"})
+            return _json(500, {"error": server_error(e)})
 
     def stats(self) -> dict:
         replicas = {str(pid): n for pid, n in sorted(self.replica_samples.items())}

@@ -35,12 +35,14 @@ import numpy as np
 import torch
 from PIL import Image
 
+from miles.models.fingerprint import safetensors_header
 from miles.rewards.base import Reward, check_num_frames, check_videos, frames_to_uint8, sample_frame_indices
-from miles.rewards.clip_common import check_folder
 from miles.rewards.pickscore import resolve_dtype
 from miles.rewards.registry import register_reward
+from miles.rewards.resources import ResourceCheck
 
 REPO = "KwaiVGI/VideoReward"
+KEY = "reward.videoalign.model_path"
 SPECIAL_TOKENS = ("<|VQ_reward|>", "<|MQ_reward|>", "<|TA_reward|>")
 MEAN = (3.6757, 1.1646, 2.8105)  # VideoReward's VQ, MQ, TA standardisation
 STD = (2.2476, 1.3811, 2.5121)
@@ -53,6 +55,29 @@ CHAT = (
     "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
     "<|vision_start|>{video}<|vision_end|>{question}<|im_end|>\n<|im_start|>assistant\n"
 )
+
+
+def load_tokenizer(path: str) -> tuple[object, list[int]]:
+    """The reward model's tokenizer and the ids of its three reward tokens (ValueError if it lacks one)."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        raise ValueError(f"could not load the tokenizer of {KEY}={path!r} ({e}); expected {REPO}'s") from e
+    ids = tokenizer.convert_tokens_to_ids(list(SPECIAL_TOKENS))
+    if tokenizer.unk_token_id in ids or None in ids:
+        raise ValueError(f"the tokenizer in {KEY}={path!r} lacks {SPECIAL_TOKENS}")
+    return tokenizer, ids
+
+
+def tensor_names(path: str) -> set[str]:
+    """The tensor names of the folder's weights, from the safetensors header or the index (no weights read)."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            return set(json.load(f).get("weight_map", {}))
+    return set(json.loads(safetensors_header(os.path.join(path, "model.safetensors")))) - {"__metadata__"}
 
 
 def video_patches(
@@ -128,8 +153,6 @@ class VideoAlign(Reward):
         device: str | torch.device = "cpu",
         dtype: torch.dtype | str = torch.float32,
     ) -> None:
-        from transformers import AutoTokenizer
-
         if dimension not in DIMENSIONS:
             raise ValueError(f"reward.videoalign.dimension must be one of {DIMENSIONS}; got {dimension!r}")
         self.dimension, self.num_frames = dimension, check_num_frames(num_frames)
@@ -137,10 +160,7 @@ class VideoAlign(Reward):
         path = self.check_resources(model_path)
         with open(os.path.join(path, "preprocessor_config.json")) as f:
             self.proc = json.load(f)
-        self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        ids = self.tokenizer.convert_tokens_to_ids(list(SPECIAL_TOKENS))
-        if self.tokenizer.unk_token_id in ids or None in ids:
-            raise ValueError(f"the tokenizer in reward.videoalign.model_path={path!r} lacks {SPECIAL_TOKENS}")
+        self.tokenizer, ids = load_tokenizer(path)
         self.special_ids = torch.tensor(ids)
         model, info = reward_model_class().from_pretrained(
             path, local_files_only=True, output_loading_info=True
@@ -153,9 +173,20 @@ class VideoAlign(Reward):
 
     @staticmethod
     def check_resources(model_path: str | os.PathLike | None = None, **_: object) -> str:
+        """The folder as the constructor reads it (files whole, the tokenizer loaded, ``rm_head.weight``
+        among the weights' names; no weights read), every problem listed."""
+        files = ResourceCheck()
         groups = [("config.json",), ("model.safetensors", "model.safetensors.index.json")]
         groups += [("preprocessor_config.json",), ("tokenizer.json",)]
-        return check_folder(model_path, "reward.videoalign.model_path", REPO, groups)
+        path = files.folder(model_path, KEY, REPO, groups)
+        if path is not None:
+            files.attempt(load_tokenizer, path)
+            if "rm_head.weight" not in tensor_names(path):
+                files.problems.append(
+                    f"{KEY}={path!r} holds no rm_head.weight: not a {REPO}-style reward model"
+                )
+        files.done()
+        return path
 
     @torch.no_grad()
     def scores(self, video: torch.Tensor, prompt: str) -> torch.Tensor:

@@ -141,6 +141,11 @@ def world_scores(videos: torch.Tensor, prompts: Sequence[str]) -> dict[str, torc
     (the module docstring has the formulas). ``ValueError`` for a prompt outside the grammar.
     """
     check_videos(videos, prompts)
+    if videos.shape[-2] * videos.shape[-1] < _TOP_K:
+        raise ValueError(
+            f"world_adherence reads each frame's {_TOP_K} most contrasting pixels: frames of "
+            f"{videos.shape[-2]}x{videos.shape[-1]} pixels are too small"
+        )
     attrs = [parse_prompt(p) for p in prompts]
     shape = Shape(*videos.shape[1:2], *videos.shape[-2:])
     # on the videos' device: an 81 x 480 x 832 video is 97M values, seconds a sample on a CPU

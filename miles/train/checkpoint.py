@@ -14,9 +14,12 @@ A checkpoint is written into ``step_N.partial`` and renamed to ``step_N`` by ran
 rank has finished writing, so a crash mid-save leaves no directory that looks complete.
 Before the marker, ``SHA256SUMS`` records the sha256 of every shard (each rank hashes the files it
 wrote, while they are still in the page cache), of ``.metadata`` and of ``trainer.json``; a resume
-and ``python -m miles.eval --checkpoint`` recompute them (:func:`digest_problem`), so bytes changed
-after the save (a flaky disk, a bad copy, an edit) are found before a weight is loaded, and the file
-is named. A checkpoint saved before digests existed has no ``SHA256SUMS`` and is loaded unchecked.
+and ``python -m miles.eval --checkpoint`` recompute them (:func:`digest_problem`) before any file of
+the checkpoint is parsed, so bytes changed after the save (a flaky disk, a bad copy, an edit) are
+found before a weight is loaded, and the file is named. A checkpoint without ``SHA256SUMS`` (or with a
+file it does not list) is damaged: this version always writes it. The DCP index (``.metadata``, a
+pickle) is read admitting only DCP's own classes, and the shards' non-tensor entries with
+``weights_only=True`` (:mod:`miles.files`): a checkpoint's files are data, never code.
 DCP stores each tensor with its global shape, so a checkpoint loads into any dp x sp layout and
 any world size (FSDP re-shards on load). The rollout noise and SDE windows are derived from the
 seed and the rollout index, so counters + data position are the whole RNG state.
@@ -52,6 +55,8 @@ from miles.files import (  # noqa: F401
     checkpoint_problem,
     digest_problem,
     file_sha256,
+    load_checkpoint_state,
+    read_dcp_metadata,
     read_digests,
     verify_checkpoint,
 )
@@ -92,7 +97,7 @@ def _model_state(models: nn.Module, optimizer: torch.optim.Optimizer, **extras) 
 
 def has_state(path: Path, name: str) -> bool:
     """Whether the checkpoint at ``path`` holds the extra state ``name`` (``ema``, ``old_policy``)."""
-    meta = dcp.FileSystemReader(str(path)).read_metadata()
+    meta = read_dcp_metadata(path)
     return any(k.startswith(f"{name}.") for k in meta.state_dict_metadata)
 
 
@@ -233,7 +238,7 @@ def last_good_checkpoint(run_dir: Path) -> Path | None:
     """The newest complete checkpoint whose files are whole and have their saved sha256 (reads them
     all: for messages after a failure, not for the training loop)."""
     for path in reversed(list_checkpoints(run_dir)):
-        if checkpoint_problem(path) is None and digest_problem(path) is None:
+        if digest_problem(path) is None and checkpoint_problem(path) is None:
             return path
     return None
 
@@ -256,7 +261,7 @@ def load_checkpoint(
     # again (removing the folder) while another rank would still be reading.
     trainer_state = json.loads((path / "trainer.json").read_text())
     state = _model_state(models, optimizer, **extras)
-    dcp.load(state, checkpoint_id=str(path))
+    load_checkpoint_state(state, path)  # data only: DCP's index and the shards' tensors and values
     set_state_dict(
         models,
         optimizer,

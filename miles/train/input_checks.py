@@ -14,13 +14,14 @@ from collections.abc import Callable
 
 
 def collect_errors(*checks: Callable[[], object]) -> list[str]:
-    """The messages of the checks that raise ``ValueError`` or ``FileNotFoundError``, in order."""
+    """The messages of the checks that raise ``ValueError`` or ``FileNotFoundError``, in order; an
+    error that lists several problems (its ``problems``, e.g. a reward's files) gives each its line."""
     errors = []
     for check in checks:
         try:
             check()
         except (ValueError, FileNotFoundError) as e:
-            errors.append(str(e))
+            errors += getattr(e, "problems", None) or [str(e)]
     return errors
 
 

@@ -1,4 +1,5 @@
-"""Rank-aware output: ``print0``, the run directory, and the metrics logger (wandb + JSONL).
+"""Rank-aware output: ``print0``, the run directory, and the metrics logger (wandb + JSONL, and
+TensorBoard with ``run.tensorboard``: ``miles.train.tensorboard``).
 
 Only rank 0 prints and logs; other ranks get a logger whose methods do nothing. wandb runs
 offline by default (its files land in the run directory; ``wandb sync <run>/wandb/offline-run-*``
@@ -12,6 +13,7 @@ import math
 import secrets
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -53,28 +55,47 @@ def wandb_run_id(run_dir: Path) -> str:
 class MetricsLogger:
     """Per-step metrics to ``metrics.jsonl`` in the run directory and to wandb (rank 0 only)."""
 
-    def __init__(self, run_dir: Path, config: dict, mode: str, project: str, name: str, enabled: bool):
+    def __init__(
+        self,
+        run_dir: Path,
+        config: dict,
+        mode: str,
+        project: str,
+        name: str,
+        enabled: bool,
+        tensorboard: bool = False,
+        secrets: Sequence[str] = (),
+    ):
+        """``config``: as saved (its secrets already redacted); ``secrets``: values kept out of the
+        command line wandb records in its run metadata; ``tensorboard``: event files beside wandb."""
         self.enabled = enabled
         self.run_dir = Path(run_dir)
-        self._wandb = None
+        self._wandb = self._tb = None
         if not enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._jsonl = open(self.run_dir / "metrics.jsonl", "a")
+        if tensorboard:
+            from miles.train.tensorboard import TensorBoardLog
+
+            self._tb = TensorBoardLog(self.run_dir / "tensorboard")
         if mode != "disabled":
             import wandb
 
-            self._wandb = wandb.init(
-                project=project,
-                name=name,
-                dir=str(self.run_dir),
-                mode=mode,
-                config=config,
-                id=wandb_run_id(self.run_dir),
-                resume="allow",
-                # no history/summary panel at the end: the run's own result line is its last line
-                settings=wandb.Settings(quiet=True),
-            )
+            from miles.train.redact import argv_redacted
+
+            with argv_redacted(secrets):  # wandb keeps sys.argv in its run files
+                self._wandb = wandb.init(
+                    project=project,
+                    name=name,
+                    dir=str(self.run_dir),
+                    mode=mode,
+                    config=config,
+                    id=wandb_run_id(self.run_dir),
+                    resume="allow",
+                    # no history/summary panel at the end: the run's own result line is its last line
+                    settings=wandb.Settings(quiet=True),
+                )
 
     def truncate_after(self, step: int) -> None:
         """Drop rows logged after ``step`` (a resumed run repeats those steps), evaluations too."""
@@ -95,6 +116,10 @@ class MetricsLogger:
         row = {"step": step, "time": time.time(), **{k: _scalar(v) for k, v in metrics.items()}}
         with open(self.run_dir / "eval.jsonl", "a") as f:
             f.write(json.dumps(row, allow_nan=True) + "\n")
+        if self._tb is not None:
+            self._tb.scalars(row, step)
+            if grid is not None:
+                self._tb.video("eval/grid", grid, step, caption)
         if self._wandb is not None:
             import wandb
 
@@ -109,6 +134,8 @@ class MetricsLogger:
         row = {"step": step, "time": time.time(), **{k: _scalar(v) for k, v in metrics.items()}}
         self._jsonl.write(json.dumps(row, allow_nan=True) + "\n")
         self._jsonl.flush()
+        if self._tb is not None:
+            self._tb.scalars(row, step)
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in row.items() if k not in ("step", "time")}, step=step)
 
@@ -129,6 +156,9 @@ class MetricsLogger:
             entries.append((path, prompt, reward))
         with open(out_dir / "captions.json", "w") as f:
             json.dump([{"file": p.name, "prompt": pr, "reward": r} for p, pr, r in entries], f, indent=1)
+        if self._tb is not None:
+            for i, (p, pr, r) in enumerate(entries):
+                self._tb.video(f"samples/{i:02d}", p, step, f"{pr} | {r:.4f}")
         if self._wandb is not None:
             import wandb
 
@@ -141,6 +171,8 @@ class MetricsLogger:
         if not self.enabled:
             return
         self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
 
@@ -167,6 +199,18 @@ def rollout_line(
         f"loss={first['loss']:.3e} "
         + "".join(f"{k}={first[k]:.3e} " for k in shown)
         + f"grad_norm={first['grad_norm']:.3e} step_time={step_s:.2f}s"
+    )
+
+
+def layout_line(trainer) -> str:
+    """The run's layout, model and directory (the trainer prints it once)."""
+    d, model, tokens = trainer.dims, trainer.model, trainer.num_tokens
+    return (
+        f"[miles] world {trainer.world_size} = dp {d.dp} x sp {d.sp} (ulysses {d.ulysses} x ring {d.ring}); "
+        f"model {model.path} ({len(model.transformers)} expert(s), "
+        f"{model.num_attention_heads} heads); {tokens} tokens/sample "
+        f"({-(-tokens // d.sp)} per sp rank); attention backend "
+        f"{trainer.attention_backend or 'default'}; run dir {trainer.run_dir}"
     )
 
 

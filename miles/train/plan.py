@@ -277,7 +277,7 @@ def _input_errors(cfg: Config, facts: PlanFacts, found: dict[str, Any]) -> list[
         got["reward_bytes"] = estimated_reward_bytes(cfg.reward)
 
     errors = collect_errors(
-        lambda: check_run_dir(run_dir, cfg.train.resume, cfg.train.overwrite),
+        lambda: check_run_dir(run_dir, cfg.train.resume, cfg.train.overwrite, Path(cfg.run.output_dir)),
         resume,
         fingerprint,
         lambda: prompts.extend(load_prompts(prompt_file)),

@@ -14,8 +14,13 @@ every rank refuses alike.
 A lean checkpoint holds only the trained parameters; the frozen rest comes from ``model.path``. The
 fingerprint of the model folder saved with it (:mod:`miles.models.fingerprint`: configs, file names
 and sizes, safetensors headers) must equal this launch's, or the resume is refused before anything
-heavy happens, naming the folder the checkpoint was trained from. Checkpoints saved before
-fingerprints existed are not checked.
+heavy happens, naming the folder the checkpoint was trained from. So must the training prompt
+file's bytes (their sha256, ``prompt_fingerprint`` in ``trainer.json``): an edited prompt file is
+refused on resume, in the plan, before the model loads. Checkpoints saved before these fingerprints
+existed are not checked for them.
+
+Nothing of a checkpoint is parsed before its bytes are checked against its ``SHA256SUMS``
+(:func:`shared_digest_problem`); a checkpoint without one is damaged (this version always writes it).
 """
 
 from __future__ import annotations
@@ -28,9 +33,10 @@ from pathlib import Path
 import torch.distributed as dist
 
 from miles.config import Config
+from miles.data.prompts import TINY_PROMPTS
 from miles.models.family import model_folder
 from miles.models.fingerprint import check_base_model, model_fingerprint
-from miles.train.checkpoint import checkpoint_problem, digest_problem, list_checkpoints
+from miles.train.checkpoint import checkpoint_problem, digest_problem, file_sha256, list_checkpoints
 from miles.train.logging import print0
 
 # dotted config key -> what it decides (for the message)
@@ -79,12 +85,31 @@ def config_differences(saved: dict, cfg: Config) -> list[str]:
     return diffs
 
 
-def _saved_state(path: Path) -> dict | None:
-    """The trainer state saved with the checkpoint at ``path`` (None: its trainer.json is unreadable)."""
-    try:
-        return json.loads((path / "trainer.json").read_text())
-    except (OSError, ValueError):
-        return None
+# the learning-rate schedule the checkpoint's scheduler state continues (miles/train/schedule.py);
+# checkpoints saved before schedules existed ran the defaults
+SCHEDULE_MUST_MATCH = {"train.lr_schedule": "constant", "train.lr_warmup_steps": 0, "train.lr_min_ratio": 0.0}
+
+
+def schedule_differences(saved: dict, cfg: Config) -> list[str]:
+    """Where the checkpoint's lr schedule and this launch's differ: the kind, the warm-up, the floor,
+    and for ``cosine`` its length (``train.num_rollouts`` x ``train.steps_per_rollout``)."""
+    current = dataclasses.asdict(cfg)
+    diffs = []
+    for key, default in SCHEDULE_MUST_MATCH.items():
+        a, b = _get(saved, key), _get(current, key)
+        a = default if a is None else a
+        if a != b:
+            diffs.append(
+                f"{key} (the lr schedule): the checkpoint has {a!r}, this launch {b!r} [{_flag(key, a)}]"
+            )
+    if cfg.train.lr_schedule == "cosine" and not diffs:
+        length = (_get(saved, "train.num_rollouts") or 0) * (_get(saved, "train.steps_per_rollout") or 0)
+        if length != cfg.train.num_rollouts * cfg.train.steps_per_rollout:
+            diffs.append(
+                f"train.num_rollouts x train.steps_per_rollout (the cosine schedule's length): the checkpoint "
+                f"has {length} optimizer steps, this launch {cfg.train.num_rollouts * cfg.train.steps_per_rollout}"
+            )
+    return diffs
 
 
 def current_fingerprint(cfg: Config) -> dict | None:
@@ -93,9 +118,36 @@ def current_fingerprint(cfg: Config) -> dict | None:
     return model_fingerprint(path) if path.is_dir() else None
 
 
+def prompt_fingerprint(cfg: Config) -> dict | None:
+    """The training prompt file's path and the sha256 of its bytes, saved with every checkpoint (None:
+    the file cannot be read; the plan refuses that on its own)."""
+    file = Path(cfg.data.prompt_file or TINY_PROMPTS)
+    try:
+        return {"file": str(file), "sha256": file_sha256(file)}
+    except OSError:
+        return None
+
+
+def check_prompt_file(path: Path, saved: dict | None, cfg: Config) -> None:
+    """Refuse (``ValueError``) to resume ``path`` when the prompt file's bytes differ from those the
+    checkpoint was trained on (``saved``: its ``prompt_fingerprint``; None: saved before fingerprints
+    of the prompt file existed, not checked). Edited prompts would shift what the saved sampler
+    position and the rollouts done refer to: the resumed run would not be the run it continues."""
+    current = prompt_fingerprint(cfg)
+    if not saved or current is None or saved.get("sha256") == current["sha256"]:
+        return
+    raise ValueError(
+        f"cannot resume {path}: the prompt file {current['file']} changed since the checkpoint was saved "
+        f"(sha256 {saved.get('sha256', '?')[:12]}... then, {current['sha256'][:12]}... now). The saved prompt "
+        "sampler position and the rollouts already trained refer to its old content, so the resumed run "
+        "would train on other prompts than the run it continues. Restore the file as it was, or start a "
+        "new run with the edited prompts in its own directory (--run.name NEW_NAME)"
+    )
+
+
 def check_resume_config(path: Path, saved: dict, cfg: Config) -> None:
     """Refuse (``ValueError``) to resume ``path``, saved with config ``saved``, under ``cfg``."""
-    diffs = config_differences(saved, cfg)
+    diffs = config_differences(saved, cfg) + schedule_differences(saved, cfg)
     if diffs:
         raise ValueError(
             f"cannot resume {path}: it was saved with a different configuration: "
@@ -105,13 +157,10 @@ def check_resume_config(path: Path, saved: dict, cfg: Config) -> None:
         )
 
 
-def shared_problem(path: Path, verify_digests: bool = True) -> str | None:
-    """What is wrong with the checkpoint at ``path`` (None: nothing), the same on every rank: file
-    sizes and metadata, then (``verify_digests``) the sha256 of every file, each rank hashing its
-    share of the files when torch.distributed is initialised."""
-    problem = checkpoint_problem(path)
-    if problem is not None or not verify_digests:
-        return problem
+def shared_digest_problem(path: Path) -> str | None:
+    """Whether the checkpoint's files have the sha256 its ``SHA256SUMS`` recorded (None: they do), the
+    same on every rank: each rank hashes its share of the files when torch.distributed is initialised
+    and they agree by a gather, so no rank parses a file of it before every file was checked."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return digest_problem(path)
     found = [None] * dist.get_world_size()
@@ -119,20 +168,35 @@ def shared_problem(path: Path, verify_digests: bool = True) -> str | None:
     return next((p for p in found if p is not None), None)
 
 
-def resume_checkpoint(run_dir: Path, cfg: Config, verify_digests: bool = True) -> Path | None:
-    """The checkpoint to resume from (None: none saved yet): the newest whole one whose bytes match
-    their saved sha256 (``verify_digests``; collective under torch.distributed). Its config and model
-    fingerprint (and those of any newer, corrupt one) are checked first: a mismatch is refused, whole
-    or not."""
+def _check_saved_with(path: Path, cfg: Config, fingerprint: dict | None) -> dict | None:
+    """Refuse to resume ``path`` unless it was saved with this config, model folder (``fingerprint``,
+    computed here when None and needed) and prompt file; returns this launch's model fingerprint.
+    Reads its ``trainer.json``: call it once the checkpoint's bytes are known to be as saved."""
+    saved = json.loads((path / "trainer.json").read_text())
+    check_resume_config(path, saved.get("config", {}), cfg)
+    if saved.get("model_fingerprint"):
+        fingerprint = fingerprint or current_fingerprint(cfg)
+        check_base_model(path, saved["model_fingerprint"], fingerprint)
+    check_prompt_file(path, saved.get("prompt_fingerprint"), cfg)
+    return fingerprint
+
+
+def resume_checkpoint(run_dir: Path, cfg: Config) -> Path | None:
+    """The checkpoint to resume from (None: none saved yet): the newest one whose bytes match their
+    saved sha256 and whose files are whole (collective under torch.distributed); a damaged one is
+    named in a warning and the previous one tried. The one it picks must have been saved with this
+    config, model folder and prompt file (each refused otherwise, before its index is parsed); no file
+    of a checkpoint is parsed before its sha256 was checked."""
     bad = []
     fingerprint: dict | None = None
     for path in reversed(list_checkpoints(run_dir)):
-        if (saved := _saved_state(path)) is not None:
-            check_resume_config(path, saved.get("config", {}), cfg)
-            if saved.get("model_fingerprint"):
-                fingerprint = fingerprint or current_fingerprint(cfg)
-                check_base_model(path, saved["model_fingerprint"], fingerprint)
-        problem = shared_problem(path, verify_digests)
+        problem = shared_digest_problem(path)
+        if problem is None:  # its bytes are as saved: its trainer.json, then its index, may be read
+            try:
+                fingerprint = _check_saved_with(path, cfg, fingerprint)
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+                problem = f"its trainer.json cannot be read ({type(e).__name__}: {e})"
+            problem = problem or checkpoint_problem(path)
         if problem is None:
             return path
         bad.append(path)

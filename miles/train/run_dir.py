@@ -14,13 +14,22 @@ one wandb run and delete each other's checkpoints. Rank 0 takes an exclusive ``f
 ``<run_dir>/.launch.lock`` (:class:`RunDirLock`) after every check has passed and before anything is
 written, and holds it for the life of the process; the kernel drops it when the process ends (also by
 SIGKILL), so a dead launch's lock is never stale. The file names the holder (pid, host, start time,
-command) for the refusal of a second launch. :func:`check_run_dir` also probes the lock (rank 0; the
-plan shares its answer with every rank), so a second launch is refused at once, before it loads a
-model.
+command, with secrets redacted: :mod:`miles.train.redact`) for the refusal of a second launch.
+:func:`check_run_dir` also probes the lock (rank 0; the plan shares its answer with every rank), so
+a second launch is refused at once, before it loads a model; the trainer takes the lock right after
+the plan, before the model loads, so two launches that passed their probes at the same moment are
+refused there (exit 2). A lock file that cannot be used (a directory in its place, no permission, a
+full disk) is a refusal naming the fix, never a raw ``OSError``.
+
+A run writes only inside ``run.output_dir``: the run directory and what the run writes into it (its
+outputs and the lock) must not be symbolic links (:func:`check_no_links`), which would send the writes
+(and ``--train.overwrite``'s deletions) elsewhere. ``run.output_dir`` itself may be a link (a folder
+on another disk): it is the user's choice of where runs go.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -28,11 +37,13 @@ import shutil
 import socket
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch.distributed as dist
 
 from miles.files import check_writable
+from miles.train.redact import redact_argv
 
 LOCK_NAME = ".launch.lock"
 # Locks this process holds (a second Trainer in one process, as in tests, reuses its own lock).
@@ -66,8 +77,34 @@ def previous_run(run_dir: Path) -> list[str]:
     return found
 
 
-def check_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> None:
-    """Raise ``ValueError`` unless this launch may use ``run_dir`` as configured."""
+# What the run writes into its directory, links of which are refused (they lead outside run.output_dir).
+WRITTEN = (*RUN_OUTPUTS, "eval.jsonl", LOCK_NAME)
+
+
+def check_no_links(run_dir: Path, output_dir: Path | None = None) -> None:
+    """Raise ``ValueError`` when the run directory (or a folder between ``output_dir`` and it), or
+    anything the run writes into it, is a symbolic link: the run's writes, and ``--train.overwrite``'s
+    deletions, would land outside ``run.output_dir``."""
+    run_dir = Path(run_dir)
+    steps = [run_dir]
+    if output_dir is not None and run_dir.is_relative_to(output_dir):
+        parts = run_dir.relative_to(output_dir).parts
+        steps = [Path(output_dir, *parts[: i + 1]) for i in range(len(parts))]
+    steps += [run_dir / name for name in WRITTEN]
+    for path in steps:
+        if path.is_symlink():
+            where = os.path.realpath(path)
+            raise ValueError(
+                f"{path} is a symbolic link (to {where}): the run would write outside run.output_dir "
+                f"{output_dir or run_dir.parent} through it. Remove the link, or set --run.output-dir to "
+                "the folder you mean the run to write into"
+            )
+
+
+def check_run_dir(run_dir: Path, resume: bool, overwrite: bool, output_dir: Path | None = None) -> None:
+    """Raise ``ValueError`` unless this launch may use ``run_dir`` as configured (``output_dir``: the
+    folder that holds it, ``run.output_dir``: no link between it and the run directory)."""
+    check_no_links(run_dir, output_dir)
     if run_dir.exists() and not run_dir.is_dir():
         raise ValueError(
             f"the run directory {run_dir} is a file; choose another --run.name or --run.output-dir"
@@ -123,10 +160,14 @@ def check_not_in_use(run_dir: Path) -> None:
     lock = Path(run_dir) / LOCK_NAME
     if _held(lock) is not None:
         return
+    if lock.is_dir():
+        raise _lock_error(lock, IsADirectoryError(21, "Is a directory", str(lock)))
     try:
-        fd = os.open(lock, os.O_RDONLY)
-    except OSError:
+        fd = os.open(lock, os.O_RDWR)  # as the lock opens it: a file this launch cannot write is refused now
+    except FileNotFoundError:
         return  # no lock file: no launch has held this directory
+    except OSError as e:
+        raise _lock_error(lock, e) from None
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -135,27 +176,56 @@ def check_not_in_use(run_dir: Path) -> None:
         os.close(fd)  # closing drops the probe's shared lock
 
 
+def _lock_error(lock: Path, error: OSError) -> ValueError:
+    """A lock file that cannot be used, as a refusal naming the fix."""
+    reason = error.strerror or type(error).__name__
+    if isinstance(error, IsADirectoryError) or lock.is_dir():
+        fix = f"it is a directory, not the run's lock file: remove it (rmdir {lock})"
+    elif error.errno == errno.ENOSPC:
+        fix = "free space on that disk, or set --run.output-dir to a folder on a disk with room"
+    elif isinstance(error, PermissionError) or error.errno == errno.EROFS:
+        fix = f"make it writable for this user (chmod u+rw {lock}) or remove it"
+    else:
+        fix = "fix or remove it"
+    return ValueError(
+        f"the run directory's lock file {lock} cannot be used ({reason}): {fix}; or start this run in its "
+        "own directory (--run.name NEW_NAME)"
+    )
+
+
 class RunDirLock:
     """An exclusive ``flock`` on ``<run_dir>/.launch.lock`` for this process's lifetime (or
-    :meth:`release`); raises ``ValueError`` naming the holder when another live process has it."""
+    :meth:`release`); raises ``ValueError`` naming the holder when another live process has it, or
+    naming the fix when the file cannot be used. ``secrets``: values hidden in the recorded command."""
 
-    def __init__(self, run_dir: Path):
+    def __init__(self, run_dir: Path, secrets: Sequence[str] = ()):
         run_dir = Path(run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_dir / LOCK_NAME
-        self.fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        self.fd: int | None = None
         try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            os.close(self.fd)
-            self.fd = None
+            self.release()
             raise _in_use_error(run_dir) from None
+        except OSError as e:
+            self.release()
+            raise _lock_error(self.path, e) from None
         started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
-        command = " ".join([os.path.basename(sys.argv[0] or "python"), *sys.argv[1:]])
-        info = {"pid": os.getpid(), "host": socket.gethostname(), "started": started, "command": command}
-        os.ftruncate(self.fd, 0)  # the file stays (unlinking a lock file races with its next taker)
-        os.pwrite(self.fd, json.dumps(info).encode(), 0)
-
+        argv = redact_argv([os.path.basename(sys.argv[0] or "python"), *sys.argv[1:]], secrets)
+        info = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "started": started,
+            "command": " ".join(argv),
+        }
+        try:
+            os.ftruncate(self.fd, 0)  # the file stays (unlinking a lock file races with its next taker)
+            os.pwrite(self.fd, json.dumps(info).encode(), 0)
+        except OSError as e:
+            self.release()
+            raise _lock_error(self.path, e) from None
         self.pid = os.getpid()
         _HELD[self.path.resolve()] = self
 
@@ -172,14 +242,15 @@ def _held(lock: Path) -> RunDirLock | None:
     return held if held is not None and held.pid == os.getpid() and held.fd is not None else None
 
 
-def lock_run_dir(run_dir: Path) -> RunDirLock | None:
+def lock_run_dir(run_dir: Path, secrets: Sequence[str] = ()) -> RunDirLock | None:
     """Rank 0 takes the run directory's lock; every rank raises the same ``ValueError`` when another
-    launch holds it (collective under torch.distributed). Returns the lock on rank 0, else None."""
+    launch holds it or it cannot be taken (collective under torch.distributed). Returns the lock on
+    rank 0, else None. ``secrets``: values kept out of the command the lock file records."""
     distributed = dist.is_available() and dist.is_initialized()
     lock, error = None, None
     if not distributed or dist.get_rank() == 0:
         try:
-            lock = _held(Path(run_dir) / LOCK_NAME) or RunDirLock(run_dir)
+            lock = _held(Path(run_dir) / LOCK_NAME) or RunDirLock(run_dir, secrets)
         except ValueError as e:
             error = str(e)
     if distributed:

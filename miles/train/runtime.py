@@ -6,18 +6,23 @@ from __future__ import annotations
 import faulthandler
 import os
 import resource
+import signal
 import sys
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from miles.train.launcher_watch import watch_launcher
+
 __all__ = ["deterministic_kernels", "enable_crash_traces", "init_distributed", "peak_memory_gib"]
 
 
 def init_distributed(timeout_s: float) -> torch.device:
-    """Initialise torch.distributed from torchrun's environment (a single process works too)."""
+    """Initialise torch.distributed from torchrun's environment (a single process works too). Under
+    torchrun, the rank stops if its launcher dies (:mod:`miles.train.launcher_watch`)."""
     enable_crash_traces()
+    watch_launcher()
     # Before CUDA starts: the rollout's gathered expert and training's activations take turns with
     # the memory, and fixed-size segments fragmented it (A14B rehearsal: 60.5 GiB allocated, 83.6
     # reserved). A user's own PYTORCH_CUDA_ALLOC_CONF wins.
@@ -73,3 +78,11 @@ def deterministic_kernels() -> None:
 
     if hasattr(inductor_config, "deterministic"):
         inductor_config.deterministic = True
+
+
+def maybe_inject_fault(rank: int, step: int) -> None:
+    """Testing hook: ``MILES_FAULT_KILL=RANK:STEP`` SIGKILLs that rank in the middle of that
+    optimizer step (after its backward, before the update), as a dying machine would."""
+    spec = os.environ.get("MILES_FAULT_KILL")
+    if spec and spec == f"{rank}:{step}":
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from miles.data.videos import VideoItem, load_clip, read_video_jsonl
+from miles.data.videos import VideoItem, check_clips, load_clip, read_video_jsonl
 from miles.models.dtypes import DTYPES
 from miles.rollout.batch import MicroBatch, RolloutBatch, Scores
 from miles.rollout.condition import conditions_of
@@ -130,11 +130,13 @@ class VideoSource:
 
 def check_batch_source(cfg) -> None:
     """What the algorithm's batch source refuses before any weights load (the run plan calls it):
-    for ``videos``, a JSONL line that is not valid or names a missing video (ValueError naming it)."""
+    for ``videos``, a JSONL line that is not valid or names a missing video, and every video opened
+    by the check :class:`VideoSource` runs before decoding one (``check_clips``: unreadable, empty,
+    too few frames, frames of mixed sizes), each ValueError naming its line."""
     from miles.algorithms import build_algorithm
 
     if build_algorithm(cfg).batch_source == "videos":
-        read_video_jsonl(cfg.data.prompt_file)
+        check_clips(read_video_jsonl(cfg.data.prompt_file), cfg.rollout.num_frames)
 
 
 def batch_source(algorithm, collector: Collector):

@@ -13,7 +13,6 @@ import contextlib
 import dataclasses
 import math
 import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -51,10 +50,13 @@ from miles.train.checkpoint import (
 from miles.train.collect import Collector, decode_ahead_for, guidance_scales, run_generator
 from miles.train.ema import EMA
 from miles.train.export import export_pipeline
+from miles.train.extra_state import extra_state, load_extra_state
+from miles.train.guard import build_guard, react
 from miles.train.logging import (
     MetricsLogger,
     configure_library_progress,
     eval_line,
+    layout_line,
     print0,
     rollout_line,
     show_progress,
@@ -65,20 +67,15 @@ from miles.train.outcome import stopped_line
 from miles.train.parallelize import compute_dtype, parallelize
 from miles.train.plan import plan_run
 from miles.train.prompt_checks import warn_truncated_prompts
+from miles.train.redact import secret_values
+from miles.train.resume import prompt_fingerprint
 from miles.train.reward_failure import GuardedRewards, reward_failed
 from miles.train.run_dir import clear_run_dir, lock_run_dir
-from miles.train.runtime import deterministic_kernels, init_distributed, peak_memory_gib
+from miles.train.runtime import deterministic_kernels, init_distributed, maybe_inject_fault, peak_memory_gib
+from miles.train.schedule import build_lr_scheduler, current_lr
 from miles.train.score import NonFiniteError, score
 from miles.train.sources import batch_source, unscored
 from miles.train.stop import GracefulStop, StopRequested
-
-
-def _maybe_inject_fault(rank: int, step: int) -> None:
-    """Testing hook: ``MILES_FAULT_KILL=RANK:STEP`` SIGKILLs that rank in the middle of that
-    optimizer step (after its backward, before the update), as a dying machine would."""
-    spec = os.environ.get("MILES_FAULT_KILL")
-    if spec and spec == f"{rank}:{step}":
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 class Trainer:
@@ -103,12 +100,12 @@ class Trainer:
         )
         self.run_dir, self.dims = self.plan.run_dir, self.plan.dims
         self.attention_backend = self.plan.attention_backend
-        # The checkpoint to resume: whole, and saved with this model, adapters, prompts, seed, algorithm.
-        self.resume_from = self.plan.resume_from
+        self.resume_from = self.plan.resume_from  # as saved, with this model, adapters, prompts, seed...
+        self.run_lock = lock_run_dir(self.run_dir, secret_values(cfg))  # one launch per dir, before the model
+        # Saved with every checkpoint, checked on resume: the model folder (a resume re-reads its frozen
+        # weights), the prompt file's bytes (the sampler's position refers to them).
+        self.model_fingerprint, self.prompt_fingerprint = self.plan.model_fingerprint, prompt_fingerprint(cfg)
         self._load_inputs()
-        # Saved with every lean checkpoint (a resume re-reads the frozen weights from this folder); the plan
-        # read every JSON and safetensors header, naming a broken or truncated file before any weights load.
-        self.model_fingerprint = self.plan.model_fingerprint
         # The transformers come as meta skeletons: _parallelize shards them, then loads each rank's shards.
         self.model: FamilyModel = self.plan.family.load(
             cfg.model, self.device, experts="skeleton", seed=cfg.run.seed
@@ -151,7 +148,6 @@ class Trainer:
         )
         self._training_state()
         self.stop = GracefulStop(self.device)  # SIGINT/SIGTERM: save at the next safe point, then exit
-        self.run_lock = lock_run_dir(self.run_dir)  # one launch per run directory, before any write
         self.collector = self._collector()
         self._open_run_dir()
         if self.resume_from is not None:
@@ -165,14 +161,7 @@ class Trainer:
 
     def _say_layout(self) -> None:
         """The run's layout, model and directory, once (rank 0)."""
-        d = self.dims
-        print0(
-            f"[miles] world {self.world_size} = dp {d.dp} x sp {d.sp} (ulysses {d.ulysses} x ring {d.ring}); "
-            f"model {self.model.path} ({len(self.model.transformers)} expert(s), "
-            f"{self.model.num_attention_heads} heads); {self.num_tokens} tokens/sample "
-            f"({-(-self.num_tokens // d.sp)} per sp rank); attention backend "
-            f"{self.attention_backend or 'default'}; run dir {self.run_dir}"
-        )
+        print0(layout_line(self))
 
     def _group_sampler(self) -> GroupSampler:
         """This dp rank's prompt groups, drawn alike on every rank (``miles.data.prompts``)."""
@@ -208,6 +197,8 @@ class Trainer:
             eps=cfg.adam_eps,
             weight_decay=cfg.weight_decay,
         )
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg)  # None: a constant lr
+        self.guard = build_guard(self.cfg)  # train.guard: reward hacking on the held-out set
         self._saved_step = -1
         self._eval_step = -1
         self.step = 0  # optimizer steps taken
@@ -235,6 +226,8 @@ class Trainer:
             project=cfg.run.wandb_project,
             name=cfg.run.name,
             enabled=self.rank == 0,
+            tensorboard=cfg.run.tensorboard,
+            secrets=secret_values(cfg),
         )
         if self.rank == 0:
             (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
@@ -311,17 +304,20 @@ class Trainer:
             canary = sums.pop("log_prob_mean_abs_diff", None)
             if not self._all_finite(sums["loss"]):
                 raise NonFiniteError(f"the loss is NaN or inf at step {self.step + 1}")
-            _maybe_inject_fault(self.rank, self.step + 1)
+            maybe_inject_fault(self.rank, self.step + 1)
             grad_norm = self._clip_grad_norm()
             if not math.isfinite(grad_norm):  # the same on every rank: all stop together
                 self.optimizer.zero_grad(set_to_none=True)
                 raise NonFiniteError(f"the gradient norm is NaN or inf at step {self.step + 1}")
+            lr = current_lr(self.optimizer)
             self.optimizer.step()
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
             if self.ema is not None:
                 self.ema.update()
             self.optimizer.zero_grad(set_to_none=True)
             self.step += 1
-            row = {**sums, "grad_norm": grad_norm}
+            row = {**sums, "grad_norm": grad_norm, "lr": lr}
             if m == 0 and canary is not None:
                 # The first step of a rollout runs with exactly the weights that sampled it.
                 row["log_prob_mean_abs_diff"] = canary
@@ -375,6 +371,8 @@ class Trainer:
             "sp": self.dims.sp,
             "config": to_dict(self.cfg),
             "model_fingerprint": self.model_fingerprint,
+            "prompt_fingerprint": self.prompt_fingerprint,
+            **extra_state(self.lr_scheduler, self.algorithm, self.guard),
         }
 
     def save(self) -> None:
@@ -414,6 +412,7 @@ class Trainer:
             self.old_policy.soft_update(0.0)
         self.step, self.rollout_index = state["step"], state["rollout_index"]
         self.sampler.load_state_dict(state["sampler"])
+        load_extra_state(state, self.lr_scheduler, self.algorithm, self.guard)
         self.logger.truncate_after(self.step)
         self._saved_step = self.step
         print0(
@@ -421,8 +420,6 @@ class Trainer:
             f"dp {state['dp']} x sp {state['sp']}, now dp {self.dims.dp} x sp {self.dims.sp})"
             f"{self._digest_note()}"
         )
-
-    # ------------------------------------------------------------------------------------------
 
     def train(self) -> None:
         """Every rollout up to ``train.num_rollouts``, then the final evaluation, save and export.
@@ -437,8 +434,8 @@ class Trainer:
         with self.stop:
             if self.rollout_index == 0:
                 self.evaluate()  # the baseline
-            while self.rollout_index < cfg.train.num_rollouts and not self.stop.requested():
-                if not self._iteration():
+            while self.rollout_index < cfg.train.num_rollouts and not self.guard.stopped:
+                if self.stop.requested() or not self._iteration():
                     break
                 bar.update(1)
                 if cfg.eval.every and self.rollout_index % cfg.eval.every == 0:
@@ -557,6 +554,7 @@ class Trainer:
         self.logger.log_eval(metrics, step=self.step, grid=grid, caption=caption)
         self._eval_step = self.step
         print0(eval_line(self.step, metrics, len(result["prompts"])))
+        react(self.guard, self.step, metrics, self.algorithm, self.cfg.train, self.run_dir, print0)
 
     def _log(
         self,
@@ -569,6 +567,7 @@ class Trainer:
         t_train: float,
     ) -> None:
         rewards = scores.reward_all
+        self.guard.train_reward(float(rewards.mean()))
         forwards = self.algorithm.forwards_per_sample(batch)
         samples = rewards.numel()
         metrics = {

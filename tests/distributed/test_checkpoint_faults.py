@@ -90,7 +90,7 @@ def _body(rank, world_size, out_dir):
     (ckpts / "step_000002" / "__0_0.distcp").unlink()
     assert checkpoint_problem(ckpts / "step_000002") == "its shard __0_0.distcp is missing"
     (ckpts / "step_000001" / ".metadata").write_bytes(b"garbage")
-    assert checkpoint_problem(ckpts / "step_000001").startswith("its metadata cannot be read")
+    assert checkpoint_problem(ckpts / "step_000001").startswith("its .metadata is not a DCP checkpoint index")
 
 
 def test_corrupt_checkpoint_falls_back_and_a_full_disk_leaves_nothing(tmp_path):

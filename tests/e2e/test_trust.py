@@ -11,18 +11,30 @@
    tries the previous one and resumes from ``step_000001`` — it never trains on the changed bytes.
 2. While that relaunch runs (it holds the run directory), a third launch into the same directory is
    refused with exit code != 0, naming the holder's pid and host, before it loads a model.
+3. Secrets: the first launch gets the reward service token on the command line and in the environment
+   (``$MILES_REWARD_TOKEN``) and logs to wandb offline; no file under the run directory holds either
+   (``.launch.lock``, ``config.yaml``, metrics, checkpoints, wandb's run files).
+4. Orphans: torchrun's process group of the second launch is then SIGKILLed, as a scheduler may. The
+   worker (its own session) notices its launcher is gone, stops at the next safe point with a
+   checkpoint and exits, within torchrun's shutdown grace, instead of training on.
+5. The prompt file's sha256 is saved in ``trainer.json``; edited after the runs, the dry run refuses to
+   resume (exit 2, naming the file).
 
-Three launches, about 60 s on 2 cores.
+Three launches and a dry run, about 70 s on 2 cores.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -41,18 +53,54 @@ SMALL = [
 def _cmd(root: Path, *flags: str, launcher: str = "torch.distributed.run") -> list[str]:
     cmd = [sys.executable, "-m", launcher, "--standalone", "--nproc-per-node", "1"]
     cmd += ["--max-restarts", "0", "train_grpo.py", "--config", "configs/tiny_cpu.yaml"]
-    return cmd + ["--run.output-dir", str(root), "--run.name", "trust", *SMALL, *flags]
+    cmd += ["--run.output-dir", str(root), "--run.name", "trust", *SMALL]
+    return cmd + ["--data.prompt-file", str(root / "prompts.txt"), *flags]
 
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+CLI_TOKEN, ENV_TOKEN = "cli-secret-7d41e9", "env-secret-0b86c2"
+
+
+def _kill_group(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):  # gone already
+        os.killpg(pid, signal.SIGKILL)
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie left for a non-reaping init counts as gone)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def _no_secrets_under(run_dir: Path) -> None:
+    files = [p for p in run_dir.rglob("*") if p.is_file()]
+    assert any("wandb" in p.parts for p in files) and (run_dir / ".launch.lock").is_file(), files
+    for path in files:
+        data = path.read_bytes()
+        for secret in (CLI_TOKEN, ENV_TOKEN):
+            assert secret.encode() not in data, f"{secret} is written in {path}"
 
 
 def test_changed_bytes_fall_back_and_a_second_launch_is_refused(tmp_path):
-    # wandb offline (the make targets' mode): its closing lines come before the result line
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text((REPO / "miles" / "data" / "tiny_prompts.txt").read_text())
+    # wandb offline (the make targets' mode): its closing lines come before the result line; the
+    # reward service token given on the command line and in the environment (no file may hold it)
     first = subprocess.run(
-        _cmd(tmp_path, "--train.num-rollouts", "2", "--run.wandb-mode", "offline"),
+        _cmd(
+            tmp_path,
+            "--train.num-rollouts",
+            "2",
+            "--run.wandb-mode",
+            "offline",
+            "--reward.remote.token",
+            CLI_TOKEN,
+        ),
         cwd=REPO,
-        env={**ENV, "WANDB_MODE": "offline"},
+        env={**ENV, "WANDB_MODE": "offline", "MILES_REWARD_TOKEN": ENV_TOKEN},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -68,6 +116,7 @@ def test_changed_bytes_fall_back_and_a_second_launch_is_refused(tmp_path):
     assert first.stdout.strip().splitlines()[-1].startswith(closing), first.stdout[-3000:]
     assert "Run summary" not in log and "Run history" not in log, log[-3000:]
     assert f"checkpoint {run_dir / 'checkpoints' / 'step_000002'}" in log
+    _no_secrets_under(run_dir)
     # A relaunch of the finished run says so before building anything: no model, no wandb run.
     wandb_runs = sorted((run_dir / "wandb").glob("offline-run-*"))
     again = subprocess.run(
@@ -80,6 +129,8 @@ def test_changed_bytes_fall_back_and_a_second_launch_is_refused(tmp_path):
     assert "[miles] resumed from" not in again.stdout and "wandb" not in again.stdout, again.stdout
     assert sorted((run_dir / "wandb").glob("offline-run-*")) == wandb_runs and wandb_runs
     ckpts = tmp_path / "trust" / "checkpoints"
+    saved = json.loads((ckpts / "step_000002" / "trainer.json").read_text())["prompt_fingerprint"]
+    assert saved == {"file": str(prompts), "sha256": hashlib.sha256(prompts.read_bytes()).hexdigest()}
     shard = ckpts / "step_000002" / "__0_0.distcp"
     data = bytearray(shard.read_bytes())
     data[256:272] = data[256:272][::-1]
@@ -89,7 +140,7 @@ def test_changed_bytes_fall_back_and_a_second_launch_is_refused(tmp_path):
         _cmd(tmp_path, "--train.num-rollouts", "1000"),
         cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )  # fmt: skip
-    timer = threading.Timer(400, os.killpg, (second.pid, signal.SIGKILL))
+    timer = threading.Timer(400, _kill_group, (second.pid,))
     timer.start()
     lines = []
     try:
@@ -105,10 +156,28 @@ def test_changed_bytes_fall_back_and_a_second_launch_is_refused(tmp_path):
             text=True,
             timeout=300,
         )
+        # A scheduler kills torchrun's process group: the worker (in its own session) must stop.
+        worker = json.loads((run_dir / ".launch.lock").read_text())["pid"]
+        assert worker != second.pid and _pid_alive(worker)
+        _kill_group(second.pid)
+        second.wait()
+        killed_at = time.monotonic()
+        reaper = threading.Timer(90, _kill_group, (worker,))  # an orphan that trains on
+        reaper.start()
+        rest = second.stdout.read()  # until the worker, the pipe's last writer, has exited
+        reaper.cancel()
+        while _pid_alive(worker) and time.monotonic() < killed_at + 5:
+            time.sleep(0.2)
+        stopped_after = time.monotonic() - killed_at
     finally:
-        os.killpg(second.pid, signal.SIGKILL)
+        _kill_group(second.pid)
         second.wait()
         timer.cancel()
+        if "worker" in locals() and _pid_alive(worker):
+            _kill_group(worker)  # its own session: the orphan and anything it started
+    assert stopped_after < 60 and not _pid_alive(worker), (stopped_after, rest)
+    assert "its launcher (pid" in rest and "is gone; stopping" in rest, rest
+    assert "[miles] SIGTERM received" in rest, rest
     out = "".join(lines)
     assert (
         f"the checkpoint {ckpts / 'step_000002'} is corrupt: its file __0_0.distcp does not match" in out
@@ -127,3 +196,13 @@ def test_changed_bytes_fall_back_and_a_second_launch_is_refused(tmp_path):
     assert f"on host {socket.gethostname()}" in refused and "--run.name NEW_NAME" in refused
     print(refused)
     assert "[rollout" not in refused and "[miles] loaded" not in refused  # refused before any work
+
+    # The prompt file edited after the checkpoints: the dry run refuses to resume, naming it.
+    prompts.write_text(prompts.read_text().replace("a", "o", 1))
+    dry = subprocess.run(
+        [sys.executable, "train_grpo.py", "--config", "configs/tiny_cpu.yaml", "--run.output-dir", str(tmp_path)]
+        + ["--run.name", "trust", *SMALL, "--data.prompt-file", str(prompts), "--dry-run"],
+        cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert dry.returncode == 2, dry.stdout + dry.stderr
+    assert f"the prompt file {prompts} changed since the checkpoint was saved" in dry.stderr, dry.stderr

@@ -238,7 +238,11 @@ RESUME_ERRORS = {
     "every_checkpoint_corrupt": (
         None,
         [],
-        ["the checkpoint", "step_000002 is corrupt: its metadata cannot be read", "every checkpoint in"],
+        [
+            "the checkpoint",
+            "step_000002 is corrupt: its .metadata is not a DCP checkpoint index",
+            "every checkpoint in",
+        ],
     ),
 }
 
@@ -260,6 +264,9 @@ def _plant_checkpoint(run_dir: Path, changes: list | None) -> None:
     ckpt.mkdir(parents=True)
     (ckpt / "trainer.json").write_text(json.dumps({"step": 2, "config": config}))
     (ckpt / ".metadata").write_bytes(b"not DCP metadata" if changes is None else b"")
+    names = sorted(p.name for p in ckpt.iterdir())  # its SHA256SUMS, as every checkpoint has one
+    sums = subprocess.run(["sha256sum", *names], cwd=ckpt, check=True, capture_output=True, text=True)
+    (ckpt / "SHA256SUMS").write_text(sums.stdout)
     (ckpt / "COMPLETE").write_text("2\n")
 
 

@@ -131,7 +131,7 @@ def test_every_numeric_field_refuses_a_huge_value_with_its_range(tmp_path, key, 
 def test_a_flag_with_a_huge_value_names_the_range():
     tiny = str(REPO / "configs" / "tiny_cpu.yaml")
     with pytest.raises(
-        ConfigError, match=r"rollout.height must be <= 8192 .*, got 1600000; its range is \(0, 8192\]"
+        ConfigError, match=r"rollout.height must be <= 4096 .*, got 1600000; its range is \(0, 4096\]"
     ):
         parse_args(["--config", tiny, "--rollout.height", "1600000"])
     with pytest.raises(
@@ -190,3 +190,17 @@ def test_a_prompt_file_that_is_not_one_is_refused_before_tokenizing(tmp_path):
 def _write(path: Path, text: str) -> Path:
     path.write_text(text)
     return path
+
+
+def test_a_dry_run_world_size_is_bounded():
+    for size in ("0", "100000000"):
+        with pytest.raises(ConfigError, match=rf"--world-size must be in \[1, 65536\] ranks, got {size}"):
+            parse_args(["--dry-run", "--world-size", size])
+    parse_args(["--dry-run", "--world-size", "8"])
+
+
+def test_a_video_jsonl_that_is_a_directory_says_so(tmp_path):
+    from miles.data.videos import read_video_jsonl
+
+    with pytest.raises(ValueError, match=f"video JSONL {tmp_path} is a directory"):
+        read_video_jsonl(tmp_path)

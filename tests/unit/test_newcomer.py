@@ -62,17 +62,17 @@ def test_readme_config_only_folders_then_dry_run(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", write[2:])
     config_folders.main()
     monkeypatch.chdir(REPO)
-    # As written: the recipe's prompt file and PickScore folders are missing here; both listed, nothing else.
+    # As written: the recipe's prompt file and PickScore folders (model, processor) are missing here; each listed.
     assert train_grpo.main(dry[2:]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: 2 inputs the run would refuse") and "/data/prompts.txt" in err, err
+    assert err.startswith("error: 3 inputs the run would refuse") and "/data/prompts.txt" in err, err
     assert "reward.pickscore.model_path='/models/PickScore_v1' is not a folder" in err
+    assert "reward.pickscore.processor_path='/models/CLIP-ViT-H-14-laion2B-s32B-b79K' is not a folder" in err
     # With them given as the README says: the plan.
-    pickscore = tmp_path / "pickscore"
-    pickscore.mkdir()
-    (pickscore / "config.json").write_text("{}")
-    for name in ("model.safetensors", "preprocessor_config.json", "tokenizer.json"):
-        (pickscore / name).write_bytes(b"")  # the dry run checks the names, it loads nothing
+    from miles.rewards.tiny_clip import tiny_clip
+
+    # The dry run checks the reward folders as the reward loads them (stubs are refused): a whole one.
+    pickscore = tiny_clip(tmp_path / "pickscore")
     given = ["--data.prompt-file", str(REPO / "miles" / "data" / "tiny_prompts.txt")]
     given += [
         "--reward.pickscore.model-path",

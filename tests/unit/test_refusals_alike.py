@@ -73,7 +73,7 @@ def _case(tmp_path: Path, case: str) -> tuple[list[str], str]:
     if case == "config_is_a_directory":
         return ["--config", str(tmp_path)], f"config file {tmp_path} is a directory"
     if case == "height_1e6":
-        return ["--rollout.height", "1000000"], "rollout.height must be <= 8192"
+        return ["--rollout.height", "1000000"], "rollout.height must be <= 4096"
     if case == "prompt_file_is_a_directory":
         return ["--data.prompt-file", str(tmp_path)], f"prompt file {tmp_path} is a directory"
     if case == "broken_transformer_config":

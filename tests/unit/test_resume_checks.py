@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -102,14 +103,23 @@ def test_the_fingerprint_reads_configs_names_sizes_and_headers_only(tmp_path):
     assert fingerprint_mismatch(fp, model_fingerprint(b)) == ["transformer", "vae"]
 
 
+def _write_digests(ckpt: Path) -> None:
+    """The checkpoint's SHA256SUMS, as coreutils writes it (a checkpoint's bytes are checked first)."""
+    names = sorted(p.name for p in ckpt.iterdir() if p.name not in ("SHA256SUMS", "COMPLETE"))
+    sums = subprocess.run(["sha256sum", *names], cwd=ckpt, check=True, capture_output=True, text=True)
+    (ckpt / "SHA256SUMS").write_text(sums.stdout)
+
+
 def test_a_checkpoint_of_another_base_model_is_refused_before_loading(tmp_path):
     model = _folder(tmp_path / "model", {"x": (2, 3)})
     cfg = _cfg("--model.path", str(model))
     ckpt = tmp_path / "run" / "checkpoints" / "step_000001"
     ckpt.mkdir(parents=True)
-    (ckpt / "COMPLETE").write_text("1\n")  # no shards: the fingerprint is checked before the files
+    (ckpt / "COMPLETE").write_text("1\n")  # no shards: the fingerprint is checked before the index
+    (ckpt / ".metadata").write_bytes(b"not a DCP index")
     state = {"config": dataclasses.asdict(cfg), "model_fingerprint": model_fingerprint(model)}
     (ckpt / "trainer.json").write_text(json.dumps(state))
+    _write_digests(ckpt)
     _folder(tmp_path / "other", {"x": (3, 2)})
     shutil.rmtree(model)
     shutil.move(tmp_path / "other", model)  # the same path now holds another model
@@ -121,5 +131,6 @@ def test_a_checkpoint_of_another_base_model_is_refused_before_loading(tmp_path):
     # A checkpoint saved before fingerprints existed is not checked (it is then found incomplete).
     del state["model_fingerprint"]
     (ckpt / "trainer.json").write_text(json.dumps(state))
+    _write_digests(ckpt)
     with pytest.raises(ValueError, match="every checkpoint in .* is corrupt"):
         resume_checkpoint(tmp_path / "run", cfg)

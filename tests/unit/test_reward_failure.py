@@ -73,7 +73,7 @@ def _body(rank, world_size, out_dir):
     ckpt = Path(out_dir) / "down" / "checkpoints" / "step_000001"
     assert "the reward could not be scored (POST http://127.0.0.1:1/score failed" in message
     assert f"the last finished step 1 is saved in {ckpt}" in message
-    assert "resume with the same command: train_grpo.py" in message
+    assert "resume with the same command: python train_grpo.py" in message  # one process: no launcher
     assert sorted(p.name for p in ckpt.parent.iterdir()) == ["step_000001"]
     verify_checkpoint(ckpt)
     assert weights_digest(trainer.experts) == digests["step1"]  # nothing of rollout 1 trained

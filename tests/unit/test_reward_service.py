@@ -140,6 +140,26 @@ def test_malformed_oversized_and_hostile_payloads_get_4xx_and_harm_nothing(serve
             400,
             "uint8",
         ),
+        "zero frames (a 500 with a Ray task traceback before)": (
+            encode_request(np.zeros((1, 0, 64, 64, 3), np.uint8), prompt, ["world_adherence"], "r5"),
+            400,
+            "at least one frame",
+        ),
+        "no video": (
+            encode_request(np.zeros((0, 9, 64, 64, 3), np.uint8), [], ["sharpness"], "r6"),
+            400,
+            "video",
+        ),
+        "frames too small for a reward": (
+            encode_request(np.zeros((1, 9, 1, 1, 3), np.uint8), prompt, ["world_adherence"], "r7"),
+            400,
+            "too small",
+        ),
+        "metadata not JSON": (
+            encode_request(frames, prompt, ["sharpness"], "r8").replace(b'"prompts":"[', b'"prompts":"{'),
+            400,
+            "malformed",
+        ),
         "over 1 MiB": (
             encode_request(np.zeros((4, 9, 128, 128, 3), np.uint8), prompt * 4, ["sharpness"], "r4"),
             413,

@@ -4,6 +4,7 @@ read exactly, mp4 through the bundled ffmpeg, and the cover-resize + centre crop
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -106,3 +107,83 @@ def test_run_plan_checks_the_video_jsonl(tmp_path):
     cfg.algorithm.name = "sft"
     with pytest.raises(ValueError, match=r"data.jsonl:1: 'video' .*gone.mp4 does not exist"):
         check_batch_source(cfg)
+
+
+def test_broken_videos_are_refused_by_the_plan_all_at_once(tmp_path):
+    """Every kind of broken video (unreadable or empty mp4, too few frames, frames of mixed sizes, a
+    frame that is no image) is refused by the run plan's check, each naming its JSONL line, at once;
+    ``load_clip`` (what the SFT source decodes with) refuses each with the same words."""
+    from miles.config import Config
+    from miles.data.videos import check_clip
+    from miles.train.sources import check_batch_source
+
+    _folder(tmp_path, "good", _frames(5, 8, 8))
+    _folder(tmp_path, "short", _frames(3, 8, 8))
+    mixed = _folder(tmp_path, "mixed", _frames(5, 8, 8))
+    Image.fromarray(_frames(1, 16, 8)[0]).save(mixed / "002.png")
+    (_folder(tmp_path, "corrupt", _frames(5, 8, 8)) / "001.png").write_bytes(b"not a png")
+    (tmp_path / "junk.mp4").write_bytes(b"hello" * 100)
+    (tmp_path / "empty.mp4").write_bytes(b"")
+    names = ["good", "short", "mixed", "corrupt", "junk.mp4", "empty.mp4"]
+    path = _jsonl(tmp_path, [{"video": n, "prompt": n} for n in names])
+    cfg = Config()
+    cfg.data.prompt_file, cfg.algorithm.name = str(path), "sft"
+    with pytest.raises(ValueError) as info:
+        check_batch_source(cfg)
+    expected = [
+        "data.jsonl:2: video .*short: has 3 frames; the recipe needs rollout.num_frames = 5",
+        r"data.jsonl:3: video .*mixed: the frames differ in size \(width x height \[\(8, 8\), \(8, 16\)\]\)",
+        "data.jsonl:4: video .*corrupt: the frame 001.png is not a readable image",
+        r"data.jsonl:5: video .*junk.mp4: ffmpeg cannot read it \(.*\)",
+        r"data.jsonl:6: video .*empty.mp4: ffmpeg cannot read it \(.*\)",
+    ]
+    problems = info.value.problems
+    assert len(problems) == len(expected), problems
+    for problem, pattern in zip(problems, expected):
+        assert re.search(pattern, problem), (pattern, problem)
+        assert "\n" not in problem and "ffmpeg version" not in problem
+    items = read_video_jsonl(path)
+    for item, problem in zip(items[1:], problems):
+        with pytest.raises(ValueError) as loaded:
+            load_clip(item, num_frames=5, height=8, width=8)
+        assert str(loaded.value) == problem
+    check_clip(items[0].video, 5)
+
+
+@pytest.mark.skipif(mp4_encoder() is None, reason="no mp4 encoder")
+def test_an_mp4_with_too_few_frames_is_refused_without_decoding(tmp_path):
+    from miles.data.videos import check_clip
+
+    write_mp4(_frames(9, 64, 64), tmp_path / "v.mp4")
+    check_clip(tmp_path / "v.mp4", 9)
+    with pytest.raises(ValueError, match="has 9 frames; the recipe needs rollout.num_frames = 13"):
+        check_clip(tmp_path / "v.mp4", 13)
+
+
+def test_the_dry_run_refuses_a_broken_sft_dataset(tmp_path, capsys, monkeypatch):
+    from pathlib import Path
+
+    import train_grpo
+
+    repo = Path(__file__).resolve().parents[2]
+    _folder(tmp_path, "short", _frames(3, 8, 8))
+    (tmp_path / "empty.mp4").write_bytes(b"")
+    lines = [{"video": "short", "prompt": f"p{i}"} for i in range(4)] + [
+        {"video": "empty.mp4", "prompt": "e"}
+    ]
+    path = _jsonl(tmp_path, lines)
+    monkeypatch.chdir(repo)
+    argv = ["--config", "configs/tiny_cpu.yaml", "--model.tiny-model-dir", str(repo / ".cache" / "tiny-wan")]
+    argv += [
+        "--run.output-dir",
+        str(tmp_path / "runs"),
+        "--algorithm.name",
+        "sft",
+        "--data.prompt-file",
+        str(path),
+    ]
+    assert train_grpo.main([*argv, "--dry-run", "--world-size", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: 5 inputs the run would refuse"), err
+    assert "data.jsonl:1: video" in err and "has 3 frames; the recipe needs rollout.num_frames = 5" in err
+    assert "data.jsonl:5: video" in err and "empty.mp4: ffmpeg cannot read it" in err
