@@ -44,11 +44,12 @@ class RunConfig:
 @dataclasses.dataclass(kw_only=True)
 class ModelConfig:
     path: str | None = None
-    """Local diffusers Wan folder (Wan2.1 T2V, Wan2.2 TI2V-5B or A14B). None: the embedded tiny
-    model, built on demand under ``tiny_model_dir``."""
-    tiny_variant: Literal["two_expert", "single_expert", "i2v", "i2v_two_expert", "ti2v"] = "two_expert"
-    """Which embedded tiny model to use when ``path`` is None (``i2v``, ``i2v_two_expert``, ``ti2v``:
-    the image-to-video layouts of Wan2.1-I2V, Wan2.2-I2V-A14B and TI2V-5B)."""
+    """Local diffusers folder of a model family (Wan2.1 T2V, Wan2.2 TI2V-5B or A14B, ...:
+    ``miles.models.families``). None: the embedded tiny model, built on demand under ``tiny_model_dir``."""
+    tiny_variant: str = "two_expert"
+    """Which embedded tiny model to use when ``path`` is None: one of ``miles.models.tiny.ALL_VARIANTS``,
+    checked when the folder is resolved (``i2v``, ``i2v_two_expert``, ``ti2v``: the image-to-video
+    layouts of Wan2.1-I2V, Wan2.2-I2V-A14B and TI2V-5B; the other families' tiny models)."""
     task: Literal["auto", "t2v", "i2v"] = "auto"
     """``i2v``: image-to-video, an image per prompt (data.prompt_file JSONL ``image``): Wan2.1-I2V and
     Wan2.2-I2V-A14B folders, or a TI2V-5B folder's image mode. ``auto``: i2v exactly for

@@ -1,4 +1,6 @@
-"""The tiny Wan transformer config the SP and FSDP tests share (4 heads x 16, 2 blocks)."""
+"""The tiny transformer configs the SP and FSDP tests share (4 heads x 16, 2 blocks): Wan and LTX-Video."""
+
+from miles.models.tiny_ltx import TINY_LTX_TRANSFORMER
 
 TINY_WAN = dict(
     patch_size=(1, 2, 2),
@@ -12,3 +14,5 @@ TINY_WAN = dict(
     num_layers=2,
     rope_max_seq_len=64,
 )
+
+TINY_LTX = dict(TINY_LTX_TRANSFORMER)  # the embedded tiny LTX's transformer (patch size 1, 8 channels)

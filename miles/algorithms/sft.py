@@ -33,7 +33,7 @@ from miles.algorithms.registry import register_algorithm
 from miles.dtypes import compute_dtype
 from miles.rollout.batch import MicroBatch, RolloutBatch
 from miles.rollout.condition import generated
-from miles.rollout.sampler import NUM_TRAIN_TIMESTEPS
+from miles.rollout.sampler import NUM_TRAIN_TIMESTEPS, call_expert
 
 _METRICS = ("loss", "sigma_mean")
 
@@ -112,14 +112,7 @@ def conditional_velocity(
         t = routing.model_timestep(t, x, model)
     image = None if condition is None or condition.image_embeds is None else condition.image_embeds.to(dtype)
     extra = {} if image is None else {"encoder_hidden_states_image": image}  # Wan2.1-I2V only
-    out = model(
-        hidden_states=x,
-        timestep=t,
-        encoder_hidden_states=context.to(x.device, dtype),
-        return_dict=False,
-        **extra,
-    )[0]
-    return out.float()
+    return call_expert(routing, model, x, t, context.to(x.device, dtype), **extra).float()
 
 
 @register_algorithm("sft", options=SFTConfig, section="sft")

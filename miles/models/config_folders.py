@@ -16,7 +16,9 @@ tokenizer. The numbers are those of the published ``-Diffusers`` repos (diffuser
 - ``wan2.2-ti2v-5b``: 24 heads x 128, ffn 14336, 30 layers, 48 latent channels, the Wan2.2 VAE
   (z 48, 16x spatial, patchified RGB), ``expand_timesteps``;
 - ``wan2.1-t2v-1.3b``: 12 heads x 128, ffn 8960, 30 layers;
-- ``tiny``: the embedded tiny two-expert model's configs (``miles.models.tiny``), for CPU tests.
+- ``tiny``: the embedded tiny two-expert model's configs (``miles.models.tiny``), for CPU tests;
+- ``ltx-video-2b``, ``ltx-video-13b``: LTX-Video's ``LTXPipeline`` folders, the second model family
+  (:mod:`miles.models.config_folders_ltx` gives their sources).
 
 Departure: the tokenizer is the project's byte-level BPE (``miles.models.tiny.build_tokenizer``),
 not UMT5's SentencePiece model (a download): token ids stay below 259, so the embedding table
@@ -29,6 +31,8 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+
+from miles.models.config_folders_ltx import LTX_MODELS, write_ltx_config_folder
 
 _WAN_COMMON = dict(
     patch_size=[1, 2, 2],
@@ -214,6 +218,7 @@ MODELS = {
         transformer=WAN_TI2V_5B, experts=1, text_encoder=UMT5_XXL, vae=VAE_WAN22, expand_timesteps=True
     ),
     "wan2.1-t2v-1.3b": dict(transformer=WAN_1_3B, experts=1, text_encoder=UMT5_XXL, vae=VAE_WAN21),
+    **LTX_MODELS,
 }
 
 
@@ -250,6 +255,8 @@ def write_config_folder(name: str, dest: str | Path) -> Path:
     from miles.models.tiny import build_tokenizer
 
     spec, dest = model_spec(name), Path(dest)
+    if spec.get("family") == "ltx":
+        return write_ltx_config_folder(spec, dest)
     experts = ["transformer", "transformer_2"][: spec["experts"]]
     with torch.device("meta"):
         for sub in experts:

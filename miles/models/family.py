@@ -12,8 +12,8 @@ the sampler and export go through the three Protocols below, never through a fam
 - :class:`ExpertRouting`: which expert denoises at a timestep, and the timestep it takes.
 
 A folder's family is the one that claims the pipeline class its ``model_index.json`` names
-(:func:`family_of`). Families: Wan (:mod:`miles.models.wan_family`). Adding one: a module that
-implements the three Protocols, and its entry in :data:`FAMILIES` (docs/ARCHITECTURE.md).
+(:func:`family_of`). The installed families are listed in :mod:`miles.models.families`; adding
+one: a module that implements the three Protocols, and its entry there (docs/ARCHITECTURE.md).
 """
 
 from __future__ import annotations
@@ -24,9 +24,8 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
-from miles.models.folder import read_pipeline_index
-from miles.models.wan import resolve_model_path
-from miles.models.wan_family import WAN
+from miles.models.families import FAMILIES
+from miles.models.folder import read_pipeline_index, resolve_model_path
 
 
 class ExpertRouting(Protocol):
@@ -45,6 +44,12 @@ class ExpertRouting(Protocol):
 
     def model_timestep(self, t: Tensor, x: Tensor, expert: nn.Module) -> Tensor:
         """The timestep ``expert`` takes for samples' timesteps ``t`` (B,) at model input ``x``."""
+
+    def forward(self, expert: nn.Module, x: Tensor, timestep: Tensor, text: Tensor, **extra) -> Tensor:
+        """``expert``'s output (B, C, F, H, W) at model input ``x`` (B, C, F, H, W), its timestep and
+        the family's text condition ``text`` (what :meth:`FamilyModel.encode_prompts` returned, rows
+        as the batch): how the family's experts take the latent and the text (as they are, or the
+        latent packed into tokens and the text's mask read from the condition)."""
 
     def report(self, num_experts: int) -> dict:
         """The run plan's fields for the routing, with ``expert_switch`` and ``timestep_layout``
@@ -69,6 +74,12 @@ class FamilyModel(Protocol):
     @property
     def num_attention_heads(self) -> int: ...
 
+    @property
+    def architecture(self) -> dict:
+        """The expert's sizes the run plan and memory model read: ``num_layers``, ``ffn_dim``,
+        ``text_dim`` (the width of the text condition :meth:`encode_prompts` returns) and
+        ``patch_size`` (t, h, w)."""
+
     def latent_shape(self, num_frames: int, height: int, width: int) -> tuple[int, int, int, int]: ...
 
     def num_tokens(self, num_frames: int, height: int, width: int) -> int: ...
@@ -82,9 +93,17 @@ class FamilyModel(Protocol):
         """Warnings about a text length the family's transformers do not expect (the plan prints them)."""
         ...
 
-    def sequence_parallel_plan(self, transformer: nn.Module): ...
+    def sequence_parallel_plan(self, transformer: nn.Module):
+        """The SP plan of one expert (``miles.sequence_parallel.SequenceParallelPlan``): the engine
+        installs it on every copy of the expert (policy, old policy, reference)."""
 
-    def encode_prompts(self, prompts: list[str], negative_prompt: str, max_sequence_length: int, device): ...
+    def encode_prompts(self, prompts: list[str], negative_prompt: str, max_sequence_length: int, device):
+        """(prompt, negative) text conditions, each (B, L, D'): an opaque tensor to the run (cached,
+        batched, CFG-concatenated along the batch) that only :meth:`ExpertRouting.forward` reads."""
+
+    def encode_texts(self, texts: list[str], max_sequence_length: int, device) -> Tensor:
+        """The text conditions (N, L, D') of ``texts``, as :meth:`encode_prompts` encodes each row
+        (the prompt cache encodes every unique prompt once with it)."""
 
     def encode_images(self, images: list, num_frames: int, height: int, width: int, device): ...
 
@@ -114,11 +133,11 @@ class ModelFamily(Protocol):
         """Save one expert's LoRA adapter (diffusers' ``save_lora_weights`` arguments)."""
 
 
-FAMILIES: dict[str, ModelFamily] = {WAN.name: WAN}
+__all__ = ["FAMILIES", "ExpertRouting", "FamilyModel", "ModelFamily", "family_of", "model_folder"]
 
 
 def model_folder(model_cfg) -> Path:
-    """The run's model folder: ``model.path``, or the embedded tiny (Wan) model's, built on demand."""
+    """The run's model folder: ``model.path``, or the embedded tiny model's, built on demand."""
     return resolve_model_path(model_cfg)
 
 

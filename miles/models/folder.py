@@ -31,3 +31,13 @@ def read_pipeline_index(path: Path) -> dict:
             "Wan-AI/Wan2.1-T2V-1.3B-Diffusers (the -Diffusers repos) and point model.path at it"
         )
     return read_json(index)
+
+
+def resolve_model_path(cfg) -> Path:
+    """The model folder of ``cfg`` (the run's ``ModelConfig``, read by field: ``models/`` does not
+    import the config): ``model.path``, or the embedded tiny model's folder, built on demand."""
+    if cfg.path is None:
+        from miles.models.tiny import tiny_model_path
+
+        return tiny_model_path(cfg.tiny_model_dir, cfg.tiny_variant)
+    return Path(cfg.path).expanduser()

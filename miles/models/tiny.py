@@ -1,4 +1,4 @@
-"""The embedded tiny Wan pipeline: a complete diffusers folder built from configs, no download.
+"""The embedded tiny pipelines: complete diffusers folders built from configs, no download.
 
     python -m miles.models.tiny .cache/tiny-wan      # or: make tiny-model
 
@@ -8,10 +8,10 @@ writes two ordinary diffusers Wan folders (safetensors) with fixed seeds:
   (low noise) and ``boundary_ratio`` in ``model_index.json``;
 - ``single_expert/``: the Wan2.1 layout — one ``transformer``;
 
-and the image-to-video variants of ``miles.models.tiny_i2v`` (``i2v``, ``i2v_two_expert``,
-``ti2v``).
+the image-to-video variants of ``miles.models.tiny_i2v`` (``i2v``, ``i2v_two_expert``,
+``ti2v``), and ``ltx``: the tiny ``LTXPipeline`` of ``miles.models.tiny_ltx`` (the second family).
 
-Each has a UMT5 text encoder, a byte-level BPE tokenizer (built in code, reloads through
+Each Wan variant has a UMT5 text encoder, a byte-level BPE tokenizer (built in code, reloads through
 ``AutoTokenizer``), an ``AutoencoderKLWan`` with Wan's 4x temporal / 8x spatial compression,
 and a flow-matching scheduler. They load through the same ``WanPipeline.from_pretrained(dir)``
 path real Wan checkpoints use. The transformer has 4 heads x 16 (Ulysses degrees 2 and 4
@@ -31,6 +31,7 @@ from pathlib import Path
 from filelock import FileLock
 
 from miles.models.tiny_i2v import I2V_VARIANTS, build_i2v_pipeline
+from miles.models.tiny_ltx import build_ltx_pipeline
 from miles.models.tiny_t2v import (  # noqa: F401 (the tiny model's parts, named here too)
     BOUNDARY_RATIO,
     TINY_TEXT_ENCODER,
@@ -41,11 +42,15 @@ from miles.models.tiny_t2v import (  # noqa: F401 (the tiny model's parts, named
     build_tokenizer,
 )
 
-ALL_VARIANTS = (*VARIANTS, *I2V_VARIANTS)
+LTX_VARIANTS = ("ltx",)
+ALL_VARIANTS = (*VARIANTS, *I2V_VARIANTS, *LTX_VARIANTS)
 
 
 def build_pipeline(variant: str = "two_expert"):
-    """Construct the tiny WanPipeline (or an I2V variant's pipeline) in memory with fixed seeds."""
+    """Construct the tiny pipeline of ``variant`` (a WanPipeline, an I2V variant's pipeline, or the
+    LTXPipeline) in memory with fixed seeds."""
+    if variant in LTX_VARIANTS:
+        return build_ltx_pipeline()
     if variant in I2V_VARIANTS:
         return build_i2v_pipeline(variant)
     return build_t2v_pipeline(variant)
@@ -129,4 +134,4 @@ def tiny_model_path(root: str | Path, variant: str) -> Path:
 if __name__ == "__main__":
     out = sys.argv[1] if len(sys.argv) > 1 else ".cache/tiny-wan"
     build_tiny_models(out, force="--force" in sys.argv)
-    print(f"tiny Wan pipelines written to {out}/{{{','.join(ALL_VARIANTS)}}}")
+    print(f"tiny pipelines written to {out}/{{{','.join(ALL_VARIANTS)}}}")

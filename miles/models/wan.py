@@ -19,11 +19,10 @@ import torch
 from torch import Tensor, nn
 
 from miles.models.dtypes import DTYPES, text_encoder_dtype
-from miles.models.folder import read_json, read_pipeline_index
+from miles.models.folder import read_json, read_pipeline_index, resolve_model_path  # noqa: F401
 from miles.models.i2v import check_i2v_run, condition_mode, encode_image_condition, text_pipeline
-from miles.models.tiny import tiny_model_path
 from miles.rollout.condition import ImageCondition
-from miles.rollout.sampler import NUM_TRAIN_TIMESTEPS
+from miles.rollout.sampler import NUM_TRAIN_TIMESTEPS, diffusers_call
 
 EXPERT_FOLDERS = ("transformer", "transformer_2")  # high noise, low noise
 WAN_PIPELINES = frozenset({"WanPipeline", "WanImageToVideoPipeline", "WanVideoToVideoPipeline"})
@@ -67,6 +66,11 @@ class WanRouting:
         pt, ph, pw = expert.config.patch_size
         _, _, f, h, w = x.shape
         return t[:, None].expand(-1, (f // pt) * (h // ph) * (w // pw))
+
+    def forward(self, expert: nn.Module, x: Tensor, timestep: Tensor, text: Tensor, **extra) -> Tensor:
+        """The expert's output at model input ``x`` (B, C, F, H, W): diffusers' Wan call, the text
+        embeddings as they are."""
+        return diffusers_call(expert, x, timestep, text, **extra)
 
     def report(self, num_experts: int) -> dict:
         """The run plan's fields (its JSON keys) and the dry run's words for them."""
@@ -144,6 +148,16 @@ class WanModel:
         return []
 
     @property
+    def architecture(self) -> dict:
+        c = self.transformers[0].config
+        return {
+            "num_layers": c.num_layers,
+            "ffn_dim": c.ffn_dim,
+            "text_dim": c.text_dim,
+            "patch_size": tuple(c.patch_size),
+        }
+
+    @property
     def latent_channels(self) -> int:
         # the denoised channels; an I2V transformer's in_channels also count the image condition
         return self.transformers[0].config.out_channels
@@ -186,6 +200,17 @@ class WanModel:
         return pos, neg
 
     @torch.no_grad()
+    def encode_texts(self, texts: list[str], max_sequence_length: int, device) -> Tensor:
+        """(N, L, D) embeddings of ``texts``: the pipeline's encoder output as is (no CFG)."""
+        embeds, _ = self.pipeline.encode_prompt(
+            prompt=texts,
+            do_classifier_free_guidance=False,
+            max_sequence_length=max_sequence_length,
+            device=device,
+        )
+        return embeds
+
+    @torch.no_grad()
     def encode_images(self, images: list, num_frames: int, height: int, width: int, device):
         """The image condition (``ImageCondition``) of PIL ``images``, one row each, each encoded
         alone (batch 1, as the I2V pipeline encodes it)."""
@@ -220,14 +245,6 @@ class WanModel:
         z = z / inv_std + mean
         video = vae.decode(z, return_dict=False)[0]  # (B, 3, F, H, W) in [-1, 1]
         return ((video.float() / 2 + 0.5).clamp(0, 1)).permute(0, 2, 1, 3, 4).contiguous()
-
-
-def resolve_model_path(cfg) -> Path:
-    """The model folder of ``cfg`` (the run's ``ModelConfig``, read by field: ``models/`` does not
-    import the config): ``model.path``, or the embedded tiny model's folder, built on demand."""
-    if cfg.path is None:
-        return tiny_model_path(cfg.tiny_model_dir, cfg.tiny_variant)
-    return Path(cfg.path).expanduser()
 
 
 def read_model_index(path: Path) -> dict:

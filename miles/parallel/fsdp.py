@@ -35,6 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from miles.dtypes import COMPUTE_DTYPE_ATTR
+from miles.parallel.blocks import transformer_blocks
 from miles.parallel.checkpointing import apply_checkpointing
 from miles.parallel.compile import compile_blocks as _compile_blocks
 
@@ -57,18 +58,18 @@ def apply_fsdp(
     ``compile_blocks``: compile each (wrapped) block's forward (see :mod:`miles.parallel.compile`).
     """
     if checkpoint_modes is not None:
-        apply_checkpointing(model.blocks, checkpoint_modes)
+        apply_checkpointing(transformer_blocks(model), checkpoint_modes)
     if compile_blocks:
-        _compile_blocks(model.blocks)
+        _compile_blocks(transformer_blocks(model))
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
     root_mp = mp
     keep = set(getattr(model, "_keep_in_fp32_modules", None) or [])
     if keep and param_dtype is not None and param_dtype != torch.float32:
         # The root unit keeps the fp32 parameters; the rest of the root computes in param_dtype.
         root_mp = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
-        for module in _compute_dtype_units(model, keep, skip=model.blocks):
+        for module in _compute_dtype_units(model, keep, skip=transformer_blocks(model)):
             fully_shard(module, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
-    for block in model.blocks:
+    for block in transformer_blocks(model):
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=root_mp, reshard_after_forward=reshard_after_forward)
     setattr(model, COMPUTE_DTYPE_ATTR, param_dtype or next(model.parameters()).dtype)

@@ -29,6 +29,8 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import nn
 
+from miles.parallel.blocks import transformer_blocks
+
 __all__ = [
     "PRECISIONS",
     "check_rollout_precision",
@@ -101,7 +103,7 @@ def quantizable_linears(module: nn.Module) -> list[tuple[nn.Module, str, nn.Line
     initialises ``lora_B``, and a float8 row scale of a zero row is 0, so its quantized weight is
     0/0 = NaN (torchao computes the scale as amax / 448 with no floor)."""
     found = []
-    for block in module.blocks:
+    for block in transformer_blocks(module):
         for path, parent in block.named_modules():
             if any(part.startswith("lora_") for part in path.split(".")):
                 continue  # peft keeps its adapters in ModuleDicts: lora_A.default is a Linear too

@@ -38,6 +38,7 @@ class PromptCache:
         device: torch.device | str,
         offload: bool,
         batch_size: int = 8,
+        encode_texts=None,
     ):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -47,6 +48,7 @@ class PromptCache:
         self.device = torch.device(device)
         self.offload = offload
         self.batch_size = batch_size
+        self.encode_texts = encode_texts
         self._rows: dict[str, Tensor] = {}
         self._negative: Tensor | None = None
         self.num_encoder_visits = 0
@@ -69,13 +71,17 @@ class PromptCache:
                     torch.cuda.empty_cache()
 
     def _encode(self, texts: list[str]) -> Tensor:
-        """(N, L, D) embeddings of ``texts`` on the CPU, the pipeline's encoder output as is."""
-        embeds, _ = self.pipeline.encode_prompt(
-            prompt=texts,
-            do_classifier_free_guidance=False,
-            max_sequence_length=self.max_sequence_length,
-            device=self.device,
-        )
+        """(N, L, D) embeddings of ``texts`` on the CPU, the pipeline's encoder output as is (or
+        the model family's text condition: ``encode_texts(texts, max_sequence_length, device)``)."""
+        if self.encode_texts is not None:
+            embeds = self.encode_texts(texts, self.max_sequence_length, self.device)
+        else:
+            embeds, _ = self.pipeline.encode_prompt(
+                prompt=texts,
+                do_classifier_free_guidance=False,
+                max_sequence_length=self.max_sequence_length,
+                device=self.device,
+            )
         self.num_encoded += len(texts)
         return embeds.cpu()
 

@@ -23,8 +23,10 @@ recompute equals the rollout's log-prob bit for bit (fp32, CPU).
   in fp32. A step uses CFG iff negative embeddings are given and its expert's scale is > 1
   (diffusers' rule, applied per expert).
 - Experts and timesteps: the model family's ``routing`` (:class:`miles.models.family.ExpertRouting`,
-  ``model.routing``) picks the expert of each timestep and shapes the timestep the expert takes
-  (one per sample, or one per token); None: one expert, one timestep per sample.
+  ``model.routing``) picks the expert of each timestep, shapes the timestep the expert takes
+  (one per sample, or one per token) and calls it (``routing.forward``: how the expert takes the
+  latent and the family's text condition); None: one expert, one timestep per sample, called as
+  a diffusers Wan transformer.
 
 Sampling can run in pieces: ``begin_sampling`` → ``SamplingRun.run_steps(transformers, i, j)``
 → ``SamplingRun.finish()`` is bitwise ``sample_with_logprob``; ``expert_phases`` gives each
@@ -131,6 +133,22 @@ def _expert(routing, t: Tensor, num_experts: int) -> int:
     return routing.expert_index(t, num_experts)
 
 
+def diffusers_call(expert: nn.Module, x: Tensor, timestep: Tensor, text: Tensor, **extra) -> Tensor:
+    """The output of a diffusers video transformer that takes the latent (B, C, F, H, W) and the
+    text embeddings as they are (Wan's call): ``expert(hidden_states=x, timestep=...,
+    encoder_hidden_states=text)``."""
+    out = expert(hidden_states=x, timestep=timestep, encoder_hidden_states=text, return_dict=False, **extra)
+    return out[0]
+
+
+def call_expert(routing, expert: nn.Module, x: Tensor, timestep: Tensor, text: Tensor, **extra) -> Tensor:
+    """The expert's output (B, C, F, H, W) at model input ``x``: the family's ``routing.forward``
+    (how its experts take the latent and its text condition), or :func:`diffusers_call` without routing."""
+    if routing is None:
+        return diffusers_call(expert, x, timestep, text, **extra)
+    return routing.forward(expert, x, timestep, text, **extra)
+
+
 def cfg_combine(v_cond: Tensor, v_uncond: Tensor, guidance_scale: float) -> Tensor:
     """Classifier-free guidance: v_u + g·(v_c − v_u)."""
     return v_uncond + guidance_scale * (v_cond - v_uncond)
@@ -191,10 +209,7 @@ def predict_velocity(
     elif routing is not None:
         timestep = routing.model_timestep(timestep, x, model)
     extra = {} if image is None else {"encoder_hidden_states_image": image}  # Wan2.1-I2V only
-    out = model(
-        hidden_states=x, timestep=timestep, encoder_hidden_states=context, return_dict=False, **extra
-    )[0]
-    out = out.float()
+    out = call_expert(routing, model, x, timestep, context, **extra).float()
     if use_cfg:
         v_cond, v_uncond = out.chunk(2)
         return cfg_combine(v_cond, v_uncond, scale)

@@ -20,6 +20,9 @@ self-attention and passes ``parallel_config=None`` for text and image cross-atte
 - marked call (self-attention)  -> ``usp_attention`` (no diffusers parallel_config downstream)
 - any other call                -> the original ``dispatch_attention_fn``, untouched
 
+A family whose processor forwards ``_parallel_config`` in its (masked) cross-attention too marks
+only its self-attention modules (``only``: e.g. ``attn1``), through its family plan's installer.
+
 The processors themselves are never replaced; the attention backend chosen with diffusers'
 ``set_attention_backend`` reaches the wrapper as the ordinary ``backend=`` keyword and picks
 the ring kernel. The module global is process-wide (two experts share it), so the wrapper is
@@ -190,9 +193,11 @@ def find_dispatch_module(model: nn.Module):
     return None
 
 
-def _attention_processors(model: nn.Module) -> list[Any]:
+def _attention_processors(model: nn.Module, only: str | None = None) -> list[Any]:
     seen: dict[int, Any] = {}
-    for m in model.modules():
+    for name, m in model.named_modules():
+        if only is not None and name.rsplit(".", 1)[-1] != only:
+            continue
         proc = getattr(m, "processor", None)
         if proc is not None and hasattr(proc, "_parallel_config"):
             seen.setdefault(id(proc), proc)
@@ -203,8 +208,12 @@ def apply_dispatch_sp_attention(
     model: nn.Module,
     ulysses_group: dist.ProcessGroup | None,
     ring_group: dist.ProcessGroup | None,
+    only: str | None = None,
 ) -> Callable[[], None]:
-    """Install USP self-attention in ``model`` (in place); returns a function that removes it."""
+    """Install USP self-attention in ``model`` (in place); returns a function that removes it.
+
+    ``only``: mark only the processors of attention modules with this name (e.g. ``attn1``), for a
+    model whose processor class forwards its ``_parallel_config`` in cross-attention too."""
     module = find_dispatch_module(model)
     if module is None:
         mro = [f"{c.__module__}.{c.__qualname__}" for c in type(model).__mro__]
@@ -214,7 +223,7 @@ def apply_dispatch_sp_attention(
             f"(model._miles_sp_plan = SequenceParallelPlan(...)) with its own attention_installer, or run "
             f"with --sequence-parallel-size 1."
         )
-    processors = _attention_processors(model)
+    processors = _attention_processors(model, only)
     if not processors:
         raise ValueError(
             f"{type(model).__name__} has no attention processor with a `_parallel_config` attribute, so the "

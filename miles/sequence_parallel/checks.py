@@ -76,10 +76,11 @@ def check_ring_dtype(cfg, dims: ParallelDims, device_type: str) -> list[str]:
     return [f"{message} (this plan assumed CUDA; on CPU the ring runs its float32 kernel)"]
 
 
-def _sp_plan_rows(transformer: nn.Module) -> list[dict]:
-    from miles.sequence_parallel import GatherOutput, ShardInput, ShardOutput, sequence_parallel_plan
+def _sp_plan_rows(model, transformer: nn.Module) -> tuple[list[dict], str]:
+    """The boundaries of the family's SP plan for ``transformer`` as rows, and the plan's source."""
+    from miles.sequence_parallel import GatherOutput, ShardInput, ShardOutput
 
-    plan = sequence_parallel_plan(transformer)
+    plan = model.sequence_parallel_plan(transformer)
     rows = []
     for module, specs in plan.boundaries.items():
         for spec in specs:
@@ -99,7 +100,7 @@ def _sp_plan_rows(transformer: nn.Module) -> list[dict]:
                     "expected_dims": spec.expected_dims,
                 }
             )
-    return rows
+    return rows, plan.source
 
 
 def sp_plan_report(cfg, facts) -> dict:
@@ -119,16 +120,16 @@ def sp_plan_report(cfg, facts) -> dict:
     except ValueError as e:
         raise ValueError(f"invalid sequence-parallel setup: {e}") from None
     plan_rows: list[dict] = []
-    plan_error = None
+    plan_error, plan_source = None, ""
     for i, transformer in enumerate(model.transformers):
         try:
-            rows = _sp_plan_rows(transformer)
+            rows, source = _sp_plan_rows(model, transformer)
         except (ValueError, TypeError) as e:
             if dims.sp > 1:
                 raise ValueError(f"expert {i} has no usable sequence-parallel plan: {e}") from None
-            plan_error, rows = str(e), []
+            plan_error, rows, source = str(e), [], f"{type(transformer).__name__}._cp_plan"
         if i == 0:
-            plan_rows = rows
+            plan_rows, plan_source = rows, source
     ring_kernel = None
     if dims.ring > 1:
         ring_kernel = {
@@ -137,7 +138,7 @@ def sp_plan_report(cfg, facts) -> dict:
         }
     return {
         "enabled": dims.sp > 1,
-        "source": f"{type(model.transformers[0]).__name__}._cp_plan",
+        "source": plan_source,
         "boundaries": plan_rows,
         "error": plan_error,
         "attention_backend": backend,

@@ -82,6 +82,7 @@ class SequenceParallelPlan:
     boundaries: dict[str, tuple[Boundary, ...]]
     attention_installer: AttentionInstaller
     num_attention_heads: int
+    source: str = "a family plan"  # where the plan comes from (the dry run reports it)
 
     def __post_init__(self) -> None:
         if self.num_attention_heads < 1:
@@ -159,7 +160,10 @@ def plan_from_cp_plan(model: nn.Module) -> SequenceParallelPlan:
             f"that states num_attention_heads."
         )
     return SequenceParallelPlan(
-        boundaries=boundaries, attention_installer=apply_dispatch_sp_attention, num_attention_heads=int(heads)
+        boundaries=boundaries,
+        attention_installer=apply_dispatch_sp_attention,
+        num_attention_heads=int(heads),
+        source=f"{name}._cp_plan",
     )
 
 

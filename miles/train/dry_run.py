@@ -184,7 +184,9 @@ def _plan_lines(plan: dict) -> list[str]:
     # In forward order: the root's inputs first, the gather last.
     rows = sorted(plan["boundaries"], key=lambda row: (row["module"] != "", row["kind"] == "gather"))
     for row in rows:
-        only = f" (only when {row['expected_dims']}-D: per-token timesteps)" if row["module"] == "" else ""
+        only = ""
+        if row["module"] == "" and row["what"] == "input 'timestep'":
+            only = f" (only when {row['expected_dims']}-D: per-token timesteps)"
         lines.append(
             f"  {row['module'] or '(root)':<10} {row['what']:<22} {row['kind']} dim {row['dim']}{only}"
         )

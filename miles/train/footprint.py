@@ -84,6 +84,7 @@ def param_report(cfg, model) -> tuple[dict, ModelSizes]:
         m.lora_rank,
         m.lora_target_modules,
         vae_decoder=model.vae_decoder_memory(),  # the family's fact
+        architecture=model.architecture,
     )
     per_expert = list(sizes.expert_params)
     return {
@@ -116,7 +117,7 @@ def memory_report(
     compiled = resolve_compile(cfg.model.compile, torch.device(device_type))
     activations, ac_note = activation_bytes(
         cfg,
-        L=model.transformers[0].config.num_layers,
+        L=model.architecture["num_layers"],
         tokens=cfg.train.micro_batch_size * shape.cfg_factor * shape.tokens_per_rank,
         D=sizes.hidden_size,
         F=sizes.ffn_dim,

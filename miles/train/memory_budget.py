@@ -105,6 +105,7 @@ class ModelSizes:
     vae_params: int = 0
     vae_base_dim: int = 0  # d: the VAE decoder's base width (the family's ``vae_decoder_memory``)
     vae_decoder_bytes: float = 0.0  # k: its peak bytes per output pixel, per channel of d, per dtype byte
+    vae_whole_clip: bool = False  # the decoder holds every frame at once (LTX-Video), not one at a time
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -208,7 +209,11 @@ class ResidentMemory:
             sizes.text_encoder_params * text_encoder_dtype(m.text_encoder_dtype, device_type).itemsize
         )
         decode = _decode_bytes(
-            shape, sizes.vae_base_dim, sizes.vae_decoder_bytes, _DTYPE_BYTES[m.vae_dtype], m.vae_tiling
+            shape,
+            sizes.vae_base_dim,
+            sizes.vae_decoder_bytes * (shape.num_frames if sizes.vae_whole_clip else 1),
+            _DTYPE_BYTES[m.vae_dtype],
+            m.vae_tiling,
         )
         in_flight = (sizes.outside_blocks + 2 * sizes.largest_block) * c
         if not p.reshard_after_forward:
@@ -311,14 +316,19 @@ def model_sizes(
     vae=None,
     lora_rank: int = 0,
     lora_targets=(),
-    vae_decoder: tuple[int, float] = (0, 0.0),
+    vae_decoder: tuple = (0, 0.0),
+    architecture: dict | None = None,
 ) -> ModelSizes:
     """:class:`ModelSizes` of loaded (or meta) modules, the one count the plan, the trainer, the dry
     run and the benches read. LoRA adapters (``lora_`` parameters) are counted apart from the base;
     with none installed yet and ``lora_rank`` > 0, those peft will add on ``lora_targets`` (so a meta
     model's sizes equal the loaded model's with its adapters). A block's and the root's sizes include
     their adapters: FSDP gathers them together. ``vae_decoder``: the family's ``vae_decoder_memory()``
-    (d, k). Call it before FSDP shards them (or on DTensors: global counts)."""
+    (d, k), with a third element True when the decoder holds the whole clip at once (k is then per
+    pixel of every frame). ``architecture``: the family's ``architecture`` (ffn and text widths;
+    default: a Wan config's). Call it before FSDP shards them (or on DTensors: global counts)."""
+    from miles.parallel.blocks import transformer_blocks
+
     installed = any("lora_" in n for t in transformers for n, _ in t.named_parameters())
 
     def adapters(module) -> int:  # installed, else the ones peft will add
@@ -330,8 +340,8 @@ def model_sizes(
         return _numel(module) + (0 if installed else adapters(module))
 
     base = [total(t) - adapters(t) for t in transformers]
-    blocks = [max(total(b) for b in t.blocks) for t in transformers]
-    outside = [total(t) - sum(total(b) for b in t.blocks) for t in transformers]
+    blocks = [max(total(b) for b in transformer_blocks(t)) for t in transformers]
+    outside = [total(t) - sum(total(b) for b in transformer_blocks(t)) for t in transformers]
     tcfg = transformers[0].config
     return ModelSizes(
         expert_params=tuple(base),
@@ -339,12 +349,13 @@ def model_sizes(
         largest_block=max(blocks),
         outside_blocks=max(outside),
         hidden_size=tcfg.num_attention_heads * tcfg.attention_head_dim,
-        ffn_dim=tcfg.ffn_dim,
-        text_dim=tcfg.text_dim,
+        ffn_dim=architecture["ffn_dim"] if architecture else tcfg.ffn_dim,
+        text_dim=architecture["text_dim"] if architecture else tcfg.text_dim,
         text_encoder_params=_numel(text_encoder),
         vae_params=_numel(vae),
         vae_base_dim=vae_decoder[0],
         vae_decoder_bytes=vae_decoder[1],
+        vae_whole_clip=len(vae_decoder) > 2 and bool(vae_decoder[2]),
     )
 
 

@@ -29,6 +29,7 @@ from miles.models.sharded_load import (
     copy_local_shards,
     materialize,
 )
+from miles.parallel.blocks import transformer_blocks
 from miles.parallel.checkpointing import checkpoint_modes
 from miles.parallel.compile import resolve_compile
 from miles.parallel.fsdp import apply_fsdp
@@ -64,14 +65,16 @@ def parallelize_expert(
     param_dtype: torch.dtype | None = None,
     checkpoint_modes: Sequence[str] | Callable[[nn.Module], Sequence[str]] | None = None,
     compile_blocks: bool = False,
+    sp_plan=None,
     **fsdp_options,
 ):
     """Attention backend → SP install (the model's plan; nothing at sp = 1) → FSDP2 over
     ``mesh.fsdp_mesh``, in place; returns the SP handle. ``checkpoint_modes`` may be a function of
-    the SP-installed module (the trainer calibrates its budget there)."""
+    the SP-installed module (the trainer calibrates its budget there). ``sp_plan``: the family's
+    plan for this expert (default: the engine's, from the model's ``_cp_plan``)."""
     if attention_backend is not None:
         transformer.set_attention_backend(attention_backend)
-    handle = apply_sequence_parallel(transformer, mesh)
+    handle = apply_sequence_parallel(transformer, mesh, plan=sp_plan)
     if callable(checkpoint_modes):
         checkpoint_modes = checkpoint_modes(transformer)
     apply_fsdp(
@@ -123,7 +126,7 @@ class _Parallelizer:
         activations into what the per-rank total budget leaves after everything resident
         (:mod:`miles.train.memory_budget`), so that the peak stays within the budget."""
         cfg = self.cfg.model
-        n = len(transformer.blocks)
+        n = len(transformer_blocks(transformer))
         if cfg.activation_checkpointing != "budget":
             return checkpoint_modes(cfg.activation_checkpointing, n)
         budget = cfg.activation_memory_budget_gib * 2**30
@@ -226,5 +229,6 @@ class _Parallelizer:
             param_dtype=self.compute_dtype,
             checkpoint_modes=self._checkpoint_modes if checkpointing else None,
             compile_blocks=self.compile_blocks,
+            sp_plan=self.model.sequence_parallel_plan(transformer) if self.mesh.sp_size > 1 else None,
             **fsdp_options,
         )

@@ -117,6 +117,7 @@ class Trainer:
             device=self.device,
             offload=cfg.model.text_encoder_offload,
             batch_size=cfg.train.micro_batch_size,
+            encode_texts=self.model.encode_texts,
         )
         tokenizer = getattr(self.model.pipeline, "tokenizer", None)
         warn_truncated_prompts(cfg, tokenizer, self.prompts, self.eval_prompts, self.rank)  # as the dry run

@@ -1,4 +1,5 @@
-"""Model-level parity: a tiny diffusers WanTransformer3DModel with SP installed vs without.
+"""Model-level parity: a tiny diffusers video transformer of each model family (Wan; LTX-Video,
+``variant`` ``ltx``, with its family plan) with SP installed vs without.
 
 Every rank builds the same model (seeded) and the same random inputs (fixed seeds), runs the stock
 model on the full sequence as reference, then a deep copy with SP installed. Loss =
@@ -30,7 +31,7 @@ from miles.parallel.topology import ParallelDims, build_parallel_mesh
 from miles.sequence_parallel import apply_sequence_parallel, sequence_parallel_plan
 from miles.sequence_parallel.attention import find_dispatch_module
 from tests.dist_utils import FIXED_SEEDS, run_pooled
-from tests.models import TINY_WAN
+from tests.models import TINY_LTX, TINY_WAN
 
 pytestmark = pytest.mark.distributed
 
@@ -39,15 +40,50 @@ GRAD_TOL = 5e-5
 
 
 def tiny_wan(variant: str):
-    from diffusers import WanTransformer3DModel
+    """The tiny transformer of ``variant``: Wan (``t2v``, ``i2v``, ``ts2d``) or LTX-Video (``ltx``)."""
+    from diffusers import LTXVideoTransformer3DModel, WanTransformer3DModel
 
+    if variant == "ltx":
+        return LTXVideoTransformer3DModel(**TINY_LTX)
     config = dict(TINY_WAN)
     if variant == "i2v":
         config.update(image_dim=24, added_kv_proj_dim=64)
     return WanTransformer3DModel(**config)
 
 
+def sp_plan(model):
+    """The family's SP plan of ``model`` (LTX-Video's :mod:`miles.models.ltx_sp`), else None: the
+    engine's default from ``_cp_plan`` (Wan)."""
+    from diffusers import LTXVideoTransformer3DModel
+
+    from miles.models.ltx_sp import ltx_sequence_parallel_plan
+
+    return ltx_sequence_parallel_plan(model) if isinstance(model, LTXVideoTransformer3DModel) else None
+
+
+def ltx_inputs(seed: int, frames: int, height: int, width: int, text_tokens: int = 8):
+    """Inputs as ``LTXPipeline`` passes them: packed tokens, the text with its mask (the last 3
+    tokens padding), the RoPE grid's size and interpolation scale; and a fixed output weight."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = frames * height * width
+    mask = torch.ones(1, text_tokens, dtype=torch.bool)
+    mask[:, -3:] = False
+    inputs = dict(
+        hidden_states=torch.randn(1, tokens, TINY_LTX["in_channels"], generator=g),
+        timestep=torch.rand(1, generator=g) * 1000,
+        encoder_hidden_states=torch.randn(1, text_tokens, TINY_LTX["caption_channels"], generator=g),
+        encoder_attention_mask=mask,
+        num_frames=frames,
+        height=height,
+        width=width,
+        rope_interpolation_scale=(8 / 25, 32, 32),
+    )
+    return inputs, torch.randn(1, tokens, TINY_LTX["out_channels"], generator=g), tokens
+
+
 def make_inputs(variant: str, seed: int, frames: int = 2, size: int = 8):
+    if variant == "ltx":
+        return ltx_inputs(seed, frames, size // 2, size // 2)[:2]
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(1, 4, frames, size, size, generator=g)
     num_tokens = frames * (size // 2) ** 2
@@ -88,7 +124,7 @@ def _model_body(rank, world_size, variant, ulysses_degrees, seed, checkpointing=
         dims = ParallelDims(world_size=world_size, sequence_parallel_size=world_size, ulysses_degree=u)
         mesh = build_parallel_mesh(dims, "cpu")
         sp_model = copy.deepcopy(model)
-        handle = apply_sequence_parallel(sp_model, mesh)
+        handle = apply_sequence_parallel(sp_model, mesh, plan=sp_plan(sp_model))
         if checkpointing:  # the boundary hooks re-run when a checkpointed block is recomputed
             sp_model.enable_gradient_checkpointing()
         out, grads = forward_backward(sp_model, inputs, weight)
@@ -183,6 +219,13 @@ def _sp1_and_failures_body(rank, world_size, seed):
 def test_usp_model_t2v_world4():
     # u4r1 Ulysses, u2r2 hybrid, u1r4 ring
     run_pooled(_model_body, 4, "t2v", [4, 2, 1], FIXED_SEEDS[6])
+
+
+def test_usp_model_ltx_world4():
+    # LTX-Video's family plan (the text and its mask whole on every rank, USP in self-attention
+    # only); u4r1, u2r2, u1r4, and u2r2 with gradient checkpointing
+    run_pooled(_model_body, 4, "ltx", [4, 2, 1], FIXED_SEEDS[6])
+    run_pooled(_model_body, 4, "ltx", [2], FIXED_SEEDS[7], True)
 
 
 def test_usp_model_i2v_and_2d_timestep_with_checkpointing_world2():

@@ -8,7 +8,8 @@ gather. Claims under test, against the unsharded reference:
   and of dQ/dK/dV as for even shards (Ulysses bitwise, ring within RING_TOL); gradients of pad
   rows exactly zero; pad outputs finite; deterministic double runs bitwise. Lengths include
   ranks that hold pads only and ring ranks whose whole chunk is pads.
-- model level (tiny Wan, fp32, incl. 2-D timesteps and gradient checkpointing): outputs
+- model level (tiny Wan and tiny LTX-Video with its family plan, fp32, incl. 2-D timesteps and
+  gradient checkpointing): outputs
   (Ulysses bitwise, ring <= 1e-5 rel) and every parameter gradient (5e-5 rel, as for even
   shards); double runs bitwise; outputs identical across sp ranks.
 - heads % sp != 0: 6 heads at sp 4 resolve to Ulysses 2 x ring 2 (auto) and match the
@@ -28,7 +29,14 @@ from miles.sequence_parallel import apply_sequence_parallel, shard_sequence, usp
 from miles.sequence_parallel.comm import padded_chunk
 from tests.dist_utils import FIXED_SEEDS, run_pooled
 from tests.distributed.test_usp_attention import RING_TOL, _full_reference
-from tests.distributed.test_usp_model import GRAD_TOL, OUT_RING_TOL, forward_backward, tiny_wan
+from tests.distributed.test_usp_model import (
+    GRAD_TOL,
+    OUT_RING_TOL,
+    forward_backward,
+    ltx_inputs,
+    sp_plan,
+    tiny_wan,
+)
 
 pytestmark = pytest.mark.distributed
 
@@ -120,31 +128,43 @@ def _inputs(frames, height, width, seed, ts2d=False):
     return inputs, torch.randn(x.shape, generator=g), tokens
 
 
-def _model_body(rank, world_size, cases, seed):
-    """cases: (num_heads, requested ulysses (0 = auto), (frames, height, width), ts2d, checkpointing)."""
-    torch.use_deterministic_algorithms(True)
-    for idx, (heads, requested, shape, ts2d, checkpointing) in enumerate(cases):
-        torch.manual_seed(seed + idx)
-        model = tiny_wan("t2v")
-        if heads != model.config.num_attention_heads:
-            from diffusers import WanTransformer3DModel
+def _tiny(family: str, heads: int):
+    """The tiny transformer of ``family`` (``t2v``: Wan, ``ltx``: LTX-Video) with ``heads`` heads."""
+    model = tiny_wan(family)
+    if heads != model.config.num_attention_heads:
+        config = {**model.config, "num_attention_heads": heads}
+        if family == "ltx":  # the text is projected to the model width
+            config["cross_attention_dim"] = heads * model.config.attention_head_dim
+        model = type(model).from_config(config)
+    return model
 
-            model = WanTransformer3DModel.from_config({**model.config, "num_attention_heads": heads})
-        inputs, weight, tokens = _inputs(*shape, seed + 100 + idx, ts2d)
+
+def _model_body(rank, world_size, cases, seed):
+    """cases: (num_heads, requested ulysses (0 = auto), latent (frames, height, width), ts2d,
+    checkpointing[, family]): Wan's (frames, height, width) before its 2x2 patchify, LTX's tokens."""
+    torch.use_deterministic_algorithms(True)
+    for idx, (heads, requested, shape, ts2d, checkpointing, *family) in enumerate(cases):
+        family = family[0] if family else "t2v"
+        torch.manual_seed(seed + idx)
+        model = _tiny(family, heads)
+        if family == "ltx":
+            inputs, weight, tokens = ltx_inputs(seed + 100 + idx, *shape)
+        else:
+            inputs, weight, tokens = _inputs(*shape, seed + 100 + idx, ts2d)
         ref_out, ref_grads = forward_backward(model, inputs, weight)
 
         u = resolve_ulysses_degree(world_size, requested, heads)
         dims = ParallelDims(world_size=world_size, sequence_parallel_size=world_size, ulysses_degree=u)
         mesh = build_parallel_mesh(dims, "cpu")
         sp_model = copy.deepcopy(model)
-        handle = apply_sequence_parallel(sp_model, mesh)
+        handle = apply_sequence_parallel(sp_model, mesh, plan=sp_plan(sp_model))
         if checkpointing:
             sp_model.enable_gradient_checkpointing()
         out, grads = forward_backward(sp_model, inputs, weight)
         out2, grads2 = forward_backward(sp_model, inputs, weight)
         handle.remove()
         name = (
-            f"{heads}h u{dims.ulysses}r{dims.ring} S={tokens}{' ts2d' if ts2d else ''}"
+            f"{family} {heads}h u{dims.ulysses}r{dims.ring} S={tokens}{' ts2d' if ts2d else ''}"
             f"{' ckpt' if checkpointing else ''} seed={seed + idx}"
         )
         assert tokens % world_size != 0, name
@@ -201,6 +221,8 @@ def test_usp_uneven_world4():
         (4, 4, (1, 2, 74), False, False),  # S = 37, u4r1: bitwise
         (6, 0, (2, 6, 10), True, False),  # S = 30, 6 heads -> auto u2r2, 2-D timestep
         (4, 1, (3, 2, 22), False, False),  # S = 33, u1r4
+        (4, 4, (1, 3, 7), False, False, "ltx"),  # LTX S = 21, u4r1
+        (6, 0, (2, 3, 5), False, False, "ltx"),  # LTX S = 30, 6 heads -> auto u2r2
     ]
     run_pooled(_body, 4, op_cases, model_cases, FIXED_SEEDS[4])
 
@@ -213,6 +235,7 @@ def test_usp_uneven_world2():
         (4, 2, (3, 2, 22), True, True),
         (4, 2, (1, 2, 74), False, False),  # S = 37, u2r1: bitwise
         (4, 1, (1, 2, 74), False, True),  # S = 37, u1r2, gradient checkpointing
+        (4, 2, (3, 3, 3), False, True, "ltx"),  # LTX S = 27, u2r1, gradient checkpointing
     ]
     run_pooled(_body, 2, op_cases, model_cases, FIXED_SEEDS[5])
 

@@ -289,6 +289,39 @@ def test_real_config_folders_have_the_published_sizes(tmp_path, name, per_expert
     assert rep["model"]["boundary_ratio"] == (0.875 if experts == 2 else None)
 
 
+@pytest.mark.parametrize(
+    "name, per_expert, layers",
+    [("ltx-video-2b", (1.9e9, 1.95e9), 28), ("ltx-video-13b", (13.0e9, 13.1e9), 48)],
+)
+def test_ltx_config_folders_have_the_published_sizes_and_the_recipe_its_shift(
+    tmp_path, name, per_expert, layers
+):
+    """LTX-Video's config-only folders through the dry run at the recipe's size (161 frames x 512 x
+    704: 21 x 16 x 22 = 7,392 tokens): the published transformer sizes, T5-XXL's encoder, the
+    family's SP plan; configs/ltx_video_2b*.yaml's rollout.shift is LTXPipeline's shift there."""
+    import yaml
+
+    from bench.memory_rehearsal import set_fields
+    from bench.real_configs import write_config_folder
+    from miles.config import Config
+    from miles.models.family import family_of
+    from miles.train.dry_run import dry_run
+
+    folder = write_config_folder(name, tmp_path / name)
+    fields = {"model.path": str(folder), "model.init": "random", "parallel.sequence_parallel_size": 4}
+    fields.update({"rollout.num_frames": 161, "rollout.height": 512, "rollout.width": 704})
+    rep = dry_run(set_fields(Config(), fields), world_size=8, local_world_size=8, verbose=False)
+    assert rep["model"]["pipeline"] == "LTXPipeline" and rep["model"]["num_layers"] == layers
+    assert per_expert[0] < rep["params"]["per_expert"][0] < per_expert[1]
+    assert 4.7e9 < rep["params"]["text_encoder"] < 4.8e9  # google/t5-v1_1-xxl's encoder
+    assert rep["sequence"]["tokens_per_sample"] == 7392
+    assert rep["sp_plan"]["source"].startswith("miles.models.ltx_sp")
+    model, _, _ = family_of(folder).load_meta(set_fields(Config(), fields))
+    for recipe in ("ltx_video_2b", "ltx_video_2b_nft"):
+        shift = yaml.safe_load((REPO / "configs" / f"{recipe}.yaml").read_text())["rollout"]["shift"]
+        assert shift == pytest.approx(model.flow_shift(7392), abs=0.01)  # 25.28
+
+
 def test_fake_collective_outputs_are_filled_like_the_cpu_fake_group():
     """``bench/fake_rank.py`` fills what a collective that moved nothing left as allocated: every
     gathered chunk is the local input, the scatter's output the input's first chunk, the

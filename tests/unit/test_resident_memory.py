@@ -347,34 +347,50 @@ class _LiveStorages(torch.utils._python_dispatch.TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("family", ["wan2.1", "wan2.2"])
+@pytest.mark.parametrize("family", ["wan2.1", "wan2.2", "ltx"])
 def test_vae_decode_term_is_what_the_decoder_holds(family):
     """The decode workspace term against the live storages of a real AutoencoderKLWan decode (the
     Wan2.1 VAE's architecture, and the Wan2.2 VAE's: residual, patch 2), at a reduced width: the
     term is linear in the decoder's width (measured: 51.0 a channel at widths 32 and 96, 21.4 at
-    64 and 256), so a narrow decoder checks the published one's coefficient."""
-    from diffusers import AutoencoderKLWan
+    64 and 256), so a narrow decoder checks the published one's coefficient. LTX-Video's
+    AutoencoderKLLTXVideo decodes the whole clip at once: its term is per pixel of every frame."""
+    from diffusers import AutoencoderKLLTXVideo, AutoencoderKLWan
 
     from bench.real_configs import VAE_WAN22
+    from miles.models.config_folders_ltx import VAE_LTX_091
 
-    config = (
-        dict(base_dim=32) if family == "wan2.1" else {**VAE_WAN22, "base_dim": 32, "decoder_base_dim": 64}
-    )
     torch.manual_seed(0)
-    vae = AutoencoderKLWan(**config).eval()
-    from miles.models.wan import VAE_DECODER_BYTES, vae_decoder_memory
+    if family == "ltx":  # the published 0.9.1 decoder at 1/8 of its widths, a narrow encoder
+        from miles.models.ltx import LTXModel
+
+        narrow = dict(decoder_block_out_channels=(32, 64, 128), block_out_channels=(8, 16, 32, 32))
+        vae = AutoencoderKLLTXVideo(**{**VAE_LTX_091, **narrow, "layers_per_block": (1,) * 5}).eval()
+        model = LTXModel(
+            path=None, transformers=[], pipeline=type("P", (), {"vae": vae}), scheduler_config={}
+        )
+        base, k, whole_clip = model.vae_decoder_memory()
+        assert whole_clip and base == 32
+        latents, temb = torch.randn(1, 128, 2, 4, 4), torch.zeros(1)
+    else:
+        config = (
+            dict(base_dim=32) if family == "wan2.1" else {**VAE_WAN22, "base_dim": 32, "decoder_base_dim": 64}
+        )
+        vae = AutoencoderKLWan(**config).eval()
+        from miles.models.wan import VAE_DECODER_BYTES, vae_decoder_memory
+
+        base, k = vae_decoder_memory(vae.config)
+        assert k == VAE_DECODER_BYTES[family]
+        up = vae.config.scale_factor_spatial if family == "wan2.2" else 8
+        latents, temb = torch.randn(1, vae.config.z_dim, 4, 64 // up, 64 // up), None
     from miles.train.memory_budget import _decode_bytes
 
-    base, k = vae_decoder_memory(vae.config)
-    assert k == VAE_DECODER_BYTES[family]
-    up = vae.config.scale_factor_spatial if family == "wan2.2" else 8
-    latents = torch.randn(1, vae.config.z_dim, 4, 64 // up, 64 // up)
     with torch.no_grad(), _LiveStorages() as live:
-        video = vae.decode(latents, return_dict=False)[0]
+        video = vae.decode(latents, *([] if temb is None else [temb]), return_dict=False)[0]
         frames = ((video.float() / 2 + 0.5).clamp(0, 1)).permute(0, 2, 1, 3, 4).contiguous()
         del video
     f, h, w = frames.shape[1], frames.shape[3], frames.shape[4]
     shape = _shape(num_frames=f, height=h, width=w, micro_batch=1)
-    formula = _decode_bytes(shape, base, k, 4, tiling=False)
+    per_frame = k * f if family == "ltx" else k  # LTX's k is per pixel of every frame (ResidentMemory.of)
+    formula = _decode_bytes(shape, base, per_frame, 4, tiling=False)
     # the formula counts two fp32 videos; the decoder's peak holds one
     assert abs(live.peak + 12 * f * h * w - formula) <= 0.05 * formula, (live.peak, formula)

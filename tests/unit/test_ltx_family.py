@@ -1,0 +1,129 @@
+"""The LTX-Video family behind the seam, on the embedded tiny LTX (CPU, fp32): the registry, the
+schedule's shift, the text condition (embeddings + mask) and the prompt cache, the VAE's latent
+normalisation against ``LTXPipeline``'s own code. (The expert's call and SP: tests/distributed/
+test_stock_parity.py, test_usp_model.py, test_usp_uneven.py; the trainer: tests/e2e/test_ltx_e2e.py.)"""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+TINY_DIR = Path(__file__).resolve().parents[2] / ".cache" / "tiny-wan"
+
+
+@pytest.fixture(scope="module")
+def ltx():
+    from miles.models.family import family_of
+    from miles.models.tiny import tiny_model_path
+
+    cfg = SimpleNamespace(
+        path=str(tiny_model_path(TINY_DIR, "ltx")),
+        task="auto",
+        text_encoder_dtype="float32",
+        vae_dtype="float32",
+        text_encoder_offload=False,
+        vae_tiling=False,
+        init="pretrained",
+    )
+    return family_of(Path(cfg.path)).load(cfg, torch.device("cpu"))
+
+
+def test_the_seam_holds_both_families_and_names_neither():
+    import miles.models.family as family
+    from miles.models.families import FAMILIES
+    from miles.models.tiny import tiny_model_path
+
+    assert sorted(FAMILIES) == ["ltx", "wan"] and family.FAMILIES is FAMILIES
+    assert family.family_of(tiny_model_path(TINY_DIR, "ltx")).name == "ltx"
+    assert family.family_of(tiny_model_path(TINY_DIR, "single_expert")).name == "wan"
+    source = inspect.getsource(family).lower()
+    assert "wan" not in source and "ltx" not in source
+
+
+def test_flow_shift_is_the_pipelines_schedule(ltx):
+    """The sampler's σ' = shift·s/(1 + (shift − 1)·s) at shift = ``flow_shift(tokens)`` is the LTX
+    scheduler's exponential time shift at LTXPipeline's μ (``calculate_shift`` of the token count),
+    on the same grid; LTX's ``shift_terminal`` stretch is left out (a departure, docs/ARCHITECTURE.md)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from diffusers.pipelines.ltx.pipeline_ltx import calculate_shift
+
+    from miles.models.tiny_ltx import LTX_SCHEDULER
+    from miles.rollout.sampler import flow_sigmas
+
+    for tokens in (24, 1024, 7392):
+        scheduler = FlowMatchEulerDiscreteScheduler(**{**LTX_SCHEDULER, "shift_terminal": None})
+        c = LTX_SCHEDULER
+        mu = calculate_shift(
+            tokens, c["base_image_seq_len"], c["max_image_seq_len"], c["base_shift"], c["max_shift"]
+        )
+        steps = 8
+        scheduler.set_timesteps(sigmas=list(torch.linspace(1, 1 / steps, steps).tolist()), mu=mu)
+        ours = flow_sigmas(steps, ltx.flow_shift(tokens))
+        grid = torch.linspace(1.0, 0.0, steps + 1)[:-1]  # the sampler's grid, the pipeline's 1 .. 1/T
+        assert torch.allclose(grid, torch.linspace(1, 1 / steps, steps))
+        assert torch.allclose(ours[:-1], scheduler.sigmas[:-1].float(), rtol=1e-5, atol=1e-6), tokens
+
+
+def test_text_condition_carries_the_mask_and_the_cache_encodes_alike(ltx):
+    from miles.models.ltx import unpack_text
+    from miles.rollout.prompt_cache import PromptCache
+
+    prompts = ["a red ball", "a much longer prompt about a blue cube"]
+    pos, neg = ltx.encode_prompts(prompts, "", 24, "cpu")
+    embeds, mask = unpack_text(pos)
+    tokens = ltx.pipeline.tokenizer(prompts, padding="max_length", max_length=24, truncation=True)
+    assert torch.equal(mask, torch.tensor(tokens.attention_mask, dtype=torch.bool))
+    want, want_mask, _, _ = ltx.pipeline.encode_prompt(
+        prompts, do_classifier_free_guidance=False, max_sequence_length=24
+    )
+    assert torch.equal(embeds, want) and torch.equal(mask, want_mask)
+    assert unpack_text(neg)[1].sum(dim=1).tolist() == [1, 1]  # "" is its end-of-text token only
+    cache = PromptCache(
+        ltx.pipeline, negative_prompt="", max_sequence_length=24, device="cpu", offload=False,
+        encode_texts=ltx.encode_texts,
+    )  # fmt: skip
+    cache.start_rollout(prompts)
+    assert torch.equal(cache.embeds(prompts), pos) and torch.equal(cache.negative()[0], neg[0])
+
+
+def test_latent_normalisation_and_decode_are_the_pipelines(ltx):
+    """``decode`` = LTXPipeline's denormalisation then the VAE; ``encode_video`` its inverse
+    normalisation (the tiny VAE has non-trivial latents_mean/std, so both are exercised)."""
+    from diffusers import LTXPipeline
+
+    vae = ltx.pipeline.vae
+    assert not torch.equal(vae.latents_std, torch.ones_like(vae.latents_std))
+    z = torch.randn(2, *ltx.latent_shape(9, 64, 96), generator=torch.Generator().manual_seed(0))
+    got = ltx.decode(z)
+    raw = LTXPipeline._denormalize_latents(z, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
+    want = vae.decode(raw, None, return_dict=False)[0]
+    want = (want / 2 + 0.5).clamp(0, 1).permute(0, 2, 1, 3, 4)
+    assert got.shape == (2, 9, 3, 64, 96) and torch.equal(got, want)
+    clip = torch.rand(9, 3, 64, 96, generator=torch.Generator().manual_seed(1))
+    latent = ltx.encode_video(clip, "cpu")
+    mode = vae.encode(clip.permute(1, 0, 2, 3)[None] * 2 - 1).latent_dist.mode()
+    norm = LTXPipeline._normalize_latents(mode, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
+    assert torch.equal(latent, norm[0])
+
+
+def test_the_dry_run_refuses_the_pipeline_eval_sampler():
+    """LTX's scheduler needs the token-count shift (mu) the pipeline eval sampler does not pass: refused
+    at planning with the fix, not at the first evaluation."""
+    from miles.config import parse_args
+    from miles.train.plan import PlanError, plan_run
+
+    repo = TINY_DIR.parents[1]
+    flags = ["--config", str(repo / "configs" / "tiny_ltx_cpu.yaml"), "--model.tiny-model-dir", str(TINY_DIR)]
+    flags += [
+        "--eval.prompt-file",
+        str(repo / "miles" / "data" / "tiny_prompts.txt"),
+        "--eval.sampler",
+        "pipeline",
+    ]
+    cfg, _ = parse_args(flags)
+    with pytest.raises(PlanError, match="use eval.sampler rollout"):
+        plan_run(cfg, 1, device_type="cpu")
