@@ -74,12 +74,12 @@ def finished_early(cfg) -> int | None:
     return 0 if note else None
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+def parse_launch(argv: list[str]):
+    """(config, launcher options, whether to run the reward preflight first) of ``argv``; None after
+    printing why the flags are refused."""
     preflight = "--preflight" in argv  # the reward preflight first (miles/preflight.py)
-    argv = [a for a in argv if a != "--preflight"]
     try:
-        cfg, opts = parse_args(argv)
+        cfg, opts = parse_args([a for a in argv if a != "--preflight"])
         if opts.world_size is not None and not opts.dry_run:
             raise ConfigError(
                 "--world-size is for --dry-run only; a real run takes its world size from torchrun "
@@ -87,7 +87,15 @@ def main(argv: list[str] | None = None) -> int:
             )
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
+        return None
+    return cfg, opts, preflight
+
+
+def main(argv: list[str] | None = None) -> int:
+    parsed = parse_launch(list(sys.argv[1:] if argv is None else argv))
+    if parsed is None:
         return 2
+    cfg, opts, preflight = parsed
     if opts.dry_run:
         return run_dry(cfg, opts.world_size)
     if int(os.environ.get("RANK", "0")) == 0:
