@@ -53,23 +53,12 @@ def _train_checks(cfg: Any) -> list[tuple[bool, str]]:
             "train.steps_per_rollout) for the cosine schedule to have steps to anneal over",
         ),
         (
-            cfg.grpo.clip_range != "auto" or cfg.algorithm.name in ("flow_grpo", "grpo_guard"),
-            f"grpo.clip_range auto calibrates Flow-GRPO's ratio clip; algorithm.name {cfg.algorithm.name} "
-            "does not use grpo.clip_range",
-        ),
-        (
             not cfg.run.tensorboard or importlib.util.find_spec("tensorboard") is not None,
             "run.tensorboard needs the tensorboard package: pip install 'miles[tensorboard]'",
         ),
         (
             cfg.train.guard == "off" or (bool(cfg.eval.prompt_file) and cfg.eval.every > 0),
             "train.guard watches the held-out evaluations: it needs eval.prompt_file and eval.every > 0",
-        ),
-        (
-            cfg.train.guard != "kl"
-            or (cfg.algorithm.name in ("flow_grpo", "grpo_guard") and cfg.grpo.kl_beta > 0),
-            "train.guard kl raises the KL coefficient of a run that has one: algorithm.name flow_grpo or "
-            "grpo_guard with grpo.kl_beta > 0 (the reference policy is kept only then)",
         ),
         (
             cfg.train.guard_reward in (None, "reward", *cfg.reward.weights, *cfg.reward.gold),

@@ -64,12 +64,29 @@ class Algorithm(abc.ABC):
     """Whether training reads the batch's rewards and advantages; False skips decoding and scoring
     (the logged training reward is then 0: such an algorithm is measured by held-out evaluation)."""
 
+    trains_clipped_ratio = False
+    """It trains Flow-GRPO's clipped ratio with the ``grpo`` section's ``clip_range`` and ``kl_beta``
+    (so ``grpo.clip_range: auto`` and ``train.guard kl`` have something to act on)."""
+
     @classmethod
     def check(cls, cfg) -> list[str]:
         """The refusals of the whole config ``cfg`` that concern this algorithm (combinations it
         cannot run), each naming the setting to change; the config's validation raises the first.
-        Its options' ranges are its options class's ``RANGES``, checked with every other range."""
-        return []
+        Its options' ranges are its options class's ``RANGES``, checked with every other range.
+        Subclasses extend this list (``super().check(cfg)``)."""
+        errors = []
+        if cfg.grpo.clip_range == "auto" and not cls.trains_clipped_ratio:
+            errors.append(
+                f"grpo.clip_range auto calibrates Flow-GRPO's ratio clip; algorithm.name {cfg.algorithm.name} "
+                "does not use grpo.clip_range"
+            )
+        if cfg.train.guard == "kl" and not (cls.trains_clipped_ratio and cfg.grpo.kl_beta > 0):
+            errors.append(
+                "train.guard kl raises the KL coefficient of a run that has one: an algorithm with Flow-GRPO's "
+                "clipped ratio (algorithm.name flow_grpo or grpo_guard) with grpo.kl_beta > 0 (the reference "
+                "policy is kept only then)"
+            )
+        return errors
 
     @abc.abstractmethod
     def sde_steps(self, num_steps: int, generator: torch.Generator) -> list[int]:

@@ -99,6 +99,7 @@ class FlowGRPO(Algorithm):
     name = "flow_grpo"
     summary = "SDE rollouts with per-step log-probs and the clipped-ratio loss (section ``grpo``)."
     ratio_norm = False
+    trains_clipped_ratio = True
 
     def __init__(self, cfg):
         self.rollout, self.grpo = cfg.rollout, cfg.grpo

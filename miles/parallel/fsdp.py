@@ -34,8 +34,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from miles.blocks import transformer_blocks
 from miles.dtypes import COMPUTE_DTYPE_ATTR
-from miles.parallel.blocks import transformer_blocks
 from miles.parallel.checkpointing import apply_checkpointing
 from miles.parallel.compile import compile_blocks as _compile_blocks
 

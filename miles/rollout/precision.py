@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import nn
 
-from miles.parallel.blocks import transformer_blocks
+from miles.blocks import transformer_blocks
 
 __all__ = [
     "PRECISIONS",

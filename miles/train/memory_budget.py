@@ -327,7 +327,7 @@ def model_sizes(
     (d, k), with a third element True when the decoder holds the whole clip at once (k is then per
     pixel of every frame). ``architecture``: the family's ``architecture`` (ffn and text widths;
     default: a Wan config's). Call it before FSDP shards them (or on DTensors: global counts)."""
-    from miles.parallel.blocks import transformer_blocks
+    from miles.blocks import transformer_blocks
 
     installed = any("lora_" in n for t in transformers for n, _ in t.named_parameters())
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from miles.blocks import transformer_blocks
 from miles.models.dtypes import DTYPES
 from miles.models.family import FamilyModel
 from miles.models.lora import lora_config
@@ -29,7 +30,6 @@ from miles.models.sharded_load import (
     copy_local_shards,
     materialize,
 )
-from miles.parallel.blocks import transformer_blocks
 from miles.parallel.checkpointing import checkpoint_modes
 from miles.parallel.compile import resolve_compile
 from miles.parallel.fsdp import apply_fsdp
