@@ -35,7 +35,7 @@ tiny-model: setup
 	$(PY) -m miles.models.tiny $(TINY_DIR)
 
 # Lint, then every test this machine can run (GPU tests skip themselves without CUDA); the 20
-# slowest are listed at the end. ~16 min on 2 cores (docs/validation.md). Multi-rank bodies run on
+# slowest are listed at the end. ~15 min on 2 cores (docs/validation.md). Multi-rank bodies run on
 # ranks kept while their folder runs (tests/dist_utils.py: run_pooled), and the e2e runs share
 # torchrun launches (tests/e2e/conftest.py).
 test: lint tiny-model
