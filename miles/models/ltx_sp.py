@@ -17,12 +17,12 @@ cross-attention. The family plan therefore:
 
 from __future__ import annotations
 
-import copy
 import functools
 
 import torch
 from torch import nn
 
+from miles.blocks import calibration_block
 from miles.sequence_parallel import GatherOutput, SequenceParallelPlan, ShardInput, ShardOutput
 from miles.sequence_parallel.attention import apply_dispatch_sp_attention
 
@@ -58,15 +58,7 @@ def calibrate_ltx_block_memory(
 
     cfg = transformer.config
     dim = cfg.num_attention_heads * cfg.attention_head_dim
-    block = copy.deepcopy(transformer.transformer_blocks[0])
-    for hooks in (block._forward_pre_hooks, block._forward_pre_hooks_with_kwargs, block._forward_hooks):
-        hooks.clear()
-    if any(p.is_meta for p in block.parameters()):
-        block.to_empty(device=device)
-        with torch.no_grad():
-            for p in block.parameters():
-                p.fill_(0.01)
-    block = block.to(device=device, dtype=dtype).train()
+    block = calibration_block(transformer, device, dtype)
 
     def make_inputs():
         hidden = torch.randn(batch, tokens, dim, device=device, dtype=dtype, requires_grad=True)

@@ -415,23 +415,12 @@ def calibrate_block_memory(
     embeddings' dtype): an eager block keeps its fp32 shift/scale/gate products (32·D bytes a token
     more than with one timestep per sample), a compiled one recomputes them in backward from that
     input (fed an fp32 input instead, a compiled block kept them: the dtype matters)."""
-    import copy
-
+    from miles.blocks import calibration_block
     from miles.parallel.checkpointing import measure_block_memory
 
     cfg = transformer.config
     dim = cfg.num_attention_heads * cfg.attention_head_dim
-    block = copy.deepcopy(transformer.blocks[0])
-    # With sp > 1, block 0 carries the SP boundary hook that shards the whole sequence on entry;
-    # the calibration feeds the block one rank's shard directly, so the copy drops its hooks.
-    for hooks in (block._forward_pre_hooks, block._forward_pre_hooks_with_kwargs, block._forward_hooks):
-        hooks.clear()
-    if any(p.is_meta for p in block.parameters()):  # a skeleton (sharded loading): any values will do
-        block.to_empty(device=device)
-        with torch.no_grad():
-            for p in block.parameters():
-                p.fill_(0.01)
-    block = block.to(device=device, dtype=dtype).train()
+    block = calibration_block(transformer, device, dtype)
 
     def make_inputs():
         hidden = torch.randn(batch, tokens, dim, device=device, dtype=dtype, requires_grad=True)
