@@ -10,7 +10,7 @@ TORCH_VERSION ?= 2.13.0
 # torchrun through miles.launch: a refusal ends in one line and exit code 2, with no launcher traceback
 TORCHRUN := $(PY) -m miles.launch --standalone --nproc-per-node $(NPROC)
 
-.PHONY: setup lint format test test-fast e2e e2e-random e2e-gpu e2e-bands stress-sp tiny-model world-model world-model-81 world-i2v-model bench bench-learning clean
+.PHONY: setup lint format test test-fast e2e e2e-random e2e-gpu e2e-bands stress-sp tiny-model world-model world-model-ltx world-model-81 world-i2v-model bench bench-learning clean
 
 setup: $(STAMP)
 
@@ -65,6 +65,13 @@ world-i2v-model: setup
 WORLD_DIR ?= .cache/world-wan
 world-model: setup
 	$(PY) -m miles.pretrain_world $(WORLD_DIR)
+
+# The world through the LTX-Video family (a tiny LTX VAE + a 4-block LTX prior, CPU) into
+# WORLD_LTX_DIR, its report beside it (pretrain_report_ltx.json); the committed copy is
+# miles/world/pipeline_ltx (configs/world_ltx_cpu.yaml).
+WORLD_LTX_DIR ?= .cache/world-ltx
+world-model-ltx: setup
+	$(PY) -m miles.pretrain_world_ltx $(WORLD_LTX_DIR)
 
 # The 81-frame world's prior (a 16-channel world VAE + a 2-block Wan prior with 128-wide heads, one
 # GPU, bf16, compiled; estimated ~5 min of prior training: python -m miles.pretrain_world_81 --estimate)
