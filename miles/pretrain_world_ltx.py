@@ -11,11 +11,13 @@ functions this module imports) through LTX-Video's parts:
    (16, 32, 64, 64), one layer per block (3.6M parameters). 9 frames at 64 x 64 are 2 latent frames
    of 2 x 2: 8 tokens (patch size 1). It trains on whole training-split videos (a 32x crop would be
    one latent pixel) as a plain autoencoder (``autoencoder_loss``: the Wan world's weighted
-   reconstruction loss, the ball's pixels weighing 11x, on the posterior mean). With the Wan
-   world's ``vae_loss`` (posterior noise, kl 1e-4) two 64 x 64 runs (ball weight 5x and 21x, 850 and
-   500 steps) and a third with the log-variance started at -8 (1000 steps) decoded every video to
-   the same grey frame: the decoder ignored the latent and the posterior collapsed (the kl term,
-   however small, moves the log-variance at AdamW's pace once the latent carries nothing). The encoded
+   reconstruction loss, the ball's pixels weighing 11x, on the posterior mean), its first
+   ``vae_crop_steps`` on crops of one latent pixel around the ball. With the Wan world's
+   ``vae_loss`` (posterior noise, kl 1e-4) three short 64 x 64 runs (ball weight 5x and 21x, and the
+   log-variance started at -8) decoded every video to the same grey frame: the decoder ignored the
+   latent and the posterior collapsed (the kl term, however small, moves the log-variance at
+   AdamW's pace once the latent carries nothing). Without the noise it still does on the CPU
+   budget tried (docs/learning.md, "The LTX world"). The encoded
    dataset's per-channel mean/std go into the VAE's ``latents_mean``/``latents_std`` buffers, which
    ``LTXPipeline`` (and :class:`miles.models.ltx.LTXModel`) un-normalise with.
 2. **VAE check** (``--vae-check``): can the 32x compression carry the world? Held-out renders
@@ -42,19 +44,29 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from miles.pretrain_world import (
     NEGATIVE_PROMPT,
+    _crop_batch,
     log,
     noisy_captions,
     render_dataset,
     save_pipeline_atomically,
     shifted_sigmas,
 )
-from miles.world.world import NUM_FRAMES, Shape, heldout_prompts, parse_prompt, render, train_prompts
+from miles.world.world import (
+    NUM_FRAMES,
+    Shape,
+    heldout_prompts,
+    parse_prompt,
+    render,
+    train_prompts,
+    trajectory,
+)
 
 WORLD_LTX_VAE = dict(
     latent_channels=128,
@@ -69,7 +81,8 @@ channels) at small widths."""
 
 @dataclass(frozen=True)
 class PretrainLTXConfig:
-    """Every knob; the defaults made the committed ``miles/world/pipeline_ltx``."""
+    """Every knob. No pipeline is committed: the VAE these defaults train did not carry the world
+    (the VAE check, docs/learning.md "The LTX world"), so neither prior nor curves were made."""
 
     seed: int = 0
     num_threads: int = 2
@@ -79,7 +92,10 @@ class PretrainLTXConfig:
     vae_scaling: tuple[bool, ...] = (True, True, True, False)
     """The VAE's ``spatio_temporal_scaling`` (and its decoder's): LTX-Video's three (32x / 8x), or
     fewer for a lighter compression (two: 16x / 4x)."""
-    vae_steps: int = 2500
+    vae_steps: int = 3000
+    vae_crop_steps: int = 1500
+    """The first steps train on crops of one latent pixel (32 x 32) around the ball (the Wan world's
+    ``_crop_batch``); whole frames after."""
     vae_batch: int = 8
     vae_lr: float = 1e-3
     vae_foreground_weight: float = 10.0
@@ -134,7 +150,16 @@ def train_vae(cfg: PretrainLTXConfig, start: float, save_to: Path | None = None)
     """The tiny ``AutoencoderKLLTXVideo`` on whole training-split videos; (vae, {steps, seconds, loss})."""
     from diffusers import AutoencoderKLLTXVideo
 
-    pool = render_videos(train_prompts(), cfg.vae_pool_per_prompt, 10_000, world_shape(cfg))
+    prompts, shape = train_prompts(), world_shape(cfg)
+    pool = render_videos(prompts, cfg.vae_pool_per_prompt, 10_000, shape)
+    centres = torch.stack(
+        [
+            torch.from_numpy(trajectory(parse_prompt(p), 10_000 + k, shape)[0])
+            for p in prompts
+            for k in range(cfg.vae_pool_per_prompt)
+        ]
+    )
+    rng = np.random.default_rng(cfg.seed)
     torch.manual_seed(cfg.seed)
     scaling = dict(spatio_temporal_scaling=cfg.vae_scaling, decoder_spatio_temporal_scaling=cfg.vae_scaling)
     vae = AutoencoderKLLTXVideo(**WORLD_LTX_VAE, **scaling).train()
@@ -145,7 +170,12 @@ def train_vae(cfg: PretrainLTXConfig, start: float, save_to: Path | None = None)
         if cfg.vae_time_limit_s and time.perf_counter() - t0 > cfg.vae_time_limit_s:
             log(f"vae: time limit {cfg.vae_time_limit_s:.0f} s reached at step {step}", start)
             break
-        x = pool[torch.randint(len(pool), (cfg.vae_batch,), generator=gen)]
+        if step < cfg.vae_crop_steps:  # one latent pixel around the ball, as the Wan world's crops
+            x = _crop_batch(
+                pool, centres, cfg.vae_batch, shape.num_frames, vae.spatial_compression_ratio, rng
+            )
+        else:
+            x = pool[torch.randint(len(pool), (cfg.vae_batch,), generator=gen)]
         loss = autoencoder_loss(vae, x, cfg.vae_foreground_weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -154,7 +184,7 @@ def train_vae(cfg: PretrainLTXConfig, start: float, save_to: Path | None = None)
         running = loss.item() if running is None else 0.95 * running + 0.05 * loss.item()
         if step % 50 == 0:
             log(f"vae step {step}/{cfg.vae_steps} loss {running:.4f}", start)
-        if save_to is not None and step % 500 == 0:
+        if save_to is not None and step % 250 == 0:
             vae.save_pretrained(save_to)
     vae = vae.eval().requires_grad_(False)
     if save_to is not None:
@@ -381,11 +411,21 @@ def run_vae_check(out: Path, cfg: PretrainLTXConfig, save_vae: Path | None) -> d
     vae, trained = train_vae(cfg, start, save_to=save_vae)
     result = vae_check(vae, world_shape(cfg))
     result.update(
-        training=trained, vae=WORLD_LTX_VAE | {"parameters": sum(p.numel() for p in vae.parameters())}
+        training=trained,
+        vae=WORLD_LTX_VAE
+        | {
+            "spatio_temporal_scaling": cfg.vae_scaling,
+            "parameters": sum(p.numel() for p in vae.parameters()),
+        },
+        compression=[vae.temporal_compression_ratio, vae.spatial_compression_ratio],
+        loss="autoencoder_loss",
+        foreground_weight=cfg.vae_foreground_weight,
+        crop_steps=cfg.vae_crop_steps,
     )
+    key = (result["shape"], result["compression"], result["crop_steps"])
     results = json.loads(out.read_text())["results"] if out.is_file() else []
-    key = (result["shape"], result["compression"])
-    results = [r for r in results if (r["shape"], r.get("compression")) != key] + [result]
+    results = [r for r in results if (r["shape"], r.get("compression"), r.get("crop_steps")) != key]
+    results.append(result)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"results": results}, indent=1) + "\n")
     return result
@@ -398,6 +438,7 @@ def main(argv: list[str]) -> None:
     p.add_argument("--shape", default="9x64x64", help="FRAMESxHEIGHTxWIDTH")
     p.add_argument("--vae-steps", type=int, default=PretrainLTXConfig.vae_steps)
     p.add_argument("--scaling", default="1110", help="the VAE's spatio-temporal scaling per block, 1/0")
+    p.add_argument("--crop-steps", type=int, default=PretrainLTXConfig.vae_crop_steps)
     p.add_argument("--fg-weight", type=float, default=PretrainLTXConfig.vae_foreground_weight)
     p.add_argument("--time-limit", type=float, default=0.0, help="VAE wall-time cap in seconds")
     p.add_argument("--save-vae", type=Path, help="(--vae-check) also save the VAE folder here")
@@ -410,6 +451,7 @@ def main(argv: list[str]) -> None:
         vae_steps=args.vae_steps,
         vae_time_limit_s=args.time_limit,
         vae_foreground_weight=args.fg_weight,
+        vae_crop_steps=args.crop_steps,
         vae_scaling=tuple(c == "1" for c in args.scaling),
         num_threads=args.threads,
     )
