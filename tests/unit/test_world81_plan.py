@@ -1,0 +1,75 @@
+"""The 81-frame world's device plan (``bench/world81_plan.py``): its stages fit the device's commands
+and sessions, the headline comes first, the recipes' forwards are counted as their algorithms run
+them, the 1-block prior halves the transformer's work, and the carried state is what resumes."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import world81_plan as plan_mod  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def plans():
+    return {blocks: plan_mod.plan(blocks) for blocks in (1, 2)}
+
+
+def test_every_stage_fits_its_commands_and_sessions_in_headline_order(plans):
+    for p in plans.values():
+        names = [s["stage"] for s in p["stages"]]
+        assert names[:3] == ["pretrain", "curves", "report"]  # the headline first
+        for s in p["stages"]:
+            assert s["device_s"] / s["commands"] <= plan_mod.COMMAND_S
+        order = [name for session in p["sessions"] for name in session["stages"]]
+        assert sorted(set(order), key=order.index) == names  # every stage, in order
+        assert all(s["device_s"] <= plan_mod.SESSION_S for s in p["sessions"])
+        total = sum(s["device_s"] for s in p["stages"]) + plan_mod.SESSION_OVERHEAD_S * len(p["sessions"])
+        assert sum(s["device_s"] for s in p["sessions"]) == pytest.approx(total, abs=len(p["sessions"]))
+        parts = p["pretrain_parts_s"]
+        assert p["stages"][0]["work_s"] == sum(parts.values()) - parts["start_s"]
+
+
+def test_nft_counts_its_old_policy_and_reference_forwards(plans):
+    nft = plans[2]["nft_curve"]
+    # 10 ODE steps, CFG-free; 9 trained levels x (fwd+bwd = 3, the old policy, the KL reference)
+    assert nft["forwards_per_sample"] == 10 + 9 * (3 + 1 + 1)
+    assert nft["samples_per_curve"] == 2 * 8 * 150
+    assert plans[2]["stages"][1]["work_s"] == pytest.approx(4 * nft["curve_s_alone"], abs=1)
+
+
+def test_one_block_halves_the_transformers_work_not_the_decodes(plans):
+    one, two = plans[1]["nft_curve"], plans[2]["nft_curve"]
+    for part in ("rollout_s", "train_s", "no_grad_s"):
+        assert one[part] == pytest.approx(two[part] / 2, abs=1.5)
+    assert one["decode_s"] == two["decode_s"]
+    assert plans[1]["pretrain_parts_s"]["prior_s"] == pytest.approx(plans[2]["pretrain_parts_s"]["prior_s"] / 2, abs=1)
+
+
+def test_carry_keeps_the_newest_checkpoint_and_the_prior_but_no_videos(tmp_path):
+    work, dest = tmp_path / "work", tmp_path / "dest"
+    run = work / "curves" / "nft-s0"
+    for step in ("step_000010", "step_000020"):
+        (run / "checkpoints" / step).mkdir(parents=True)
+        (run / "checkpoints" / step / "COMPLETE").write_text("")
+        (run / "checkpoints" / step / "state.distcp").write_bytes(b"x" * 10)
+    (run / "checkpoints" / "step_000030").mkdir()  # incomplete: not resumable
+    (run / "metrics.jsonl").write_text("{}\n")
+    (run / "videos").mkdir()
+    (run / "videos" / "step_10.mp4").write_bytes(b"v" * (plan_mod.CARRY_SKIP_BYTES + 1))
+    (work / "pipeline_81" / "vae").mkdir(parents=True)
+    (work / "pipeline_81" / "vae" / "w.safetensors").write_bytes(b"w" * (plan_mod.CARRY_SKIP_BYTES + 1))
+    done = plan_mod.carry(work, dest)
+    kept = sorted(str(p.relative_to(dest)) for p in dest.rglob("*") if p.is_file())
+    assert kept == [
+        "curves/nft-s0/checkpoints/step_000020/COMPLETE",
+        "curves/nft-s0/checkpoints/step_000020/state.distcp",
+        "curves/nft-s0/metrics.jsonl",
+        "pipeline_81/vae/w.safetensors",
+    ]
+    assert done["skipped"] == ["curves/nft-s0/videos/step_10.mp4"]
