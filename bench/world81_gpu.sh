@@ -49,7 +49,7 @@ trap carry_out EXIT
 recipes=(--model "$model" ${EVAL_EVERY:+--eval-every "$EVAL_EVERY"})
 case "$stage" in
   pretrain)
-    budget=$(awk "BEGIN { print ($limit - 90) / 60 }")   # minutes: leaves the save and the copy their time
+    budget=$(awk "BEGIN { print ($limit - 60) / 60 }")   # minutes: leaves the save and the copy their time
     rc=0
     timeout -k 15 "$limit" $py -m miles.pretrain_world_81 "$work/pipeline_81" --max-minutes "$budget" \
       --state-dir "$work/pretrain_state" ${PRIOR_BLOCKS:+--prior-blocks "$PRIOR_BLOCKS"} \

@@ -91,6 +91,24 @@ def pretrain_parts(blocks: int) -> dict:
     }
 
 
+def pretrain_state_mb(blocks: int) -> dict:
+    """The largest paused pretraining state (MB): the VAE with its AdamW moments while it trains;
+    the trained VAE plus the prior and its moments while the prior trains."""
+    import torch
+    from diffusers import AutoencoderKLWan
+
+    from miles.pretrain_world_81 import PRIOR, VAE_16, prior_megabytes
+
+    with torch.device("meta"):
+        vae = sum(p.numel() for p in AutoencoderKLWan(**VAE_16).parameters())
+    prior = prior_megabytes(dict(PRIOR, num_layers=blocks)) * 1e6 / 4
+    return {
+        "vae_params": vae,
+        "prior_params": round(prior),
+        "max_mb": round(max(12 * vae, 4 * vae + 12 * prior) / 1e6, 1),
+    }
+
+
 def curve_seconds(recipe: str, blocks: int, eval_every: int) -> dict:
     """One 300-step curve of a shipped recipe on the 81-frame world, alone (``world81_recipes.estimate``)."""
     import world81_recipes as w81
@@ -173,6 +191,7 @@ def plan(blocks: int = 2, eval_every: int = 15) -> dict:
         "prior_blocks": blocks,
         "eval_every": eval_every,
         "pretrain_parts_s": parts,
+        "pretrain_state": pretrain_state_mb(blocks),
         "nft_curve": nft,
         "stages": headline + rest,
         "sessions": sessions,

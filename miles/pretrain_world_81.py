@@ -106,6 +106,8 @@ class Pretrain81Config(PretrainConfig):
     """Seeds per training prompt (0: the held-out prompts only)."""
     eval_steps: int = 10
     eval_micro_batch: int = 8
+    eval_reserve_s: float = 90.0
+    """The evaluation (~25 s on an H200 by ``estimate``, plus loading) starts only with this much left."""
 
 
 def prior_megabytes(prior: dict = PRIOR) -> float:
