@@ -22,8 +22,10 @@ steps per rollout, group size, the 81 x 480 x 832 video — and swaps only:
 ``--negated`` adds each run's twin with ``grpo.negate_advantages`` (the reward's sign flipped: a
 run blind to the reward moves both alike). ``--run`` launches the runs side by side on the one GPU
 (one process each) and writes ``world81.json`` / ``world81.md`` / ``world81.png`` with
-``bench/learning.py``'s readers. ``estimate`` gives each recipe's approximate transformer FLOPs
-per 300-step curve (attention-dominated forwards at 32,760 tokens; an estimate, not a measurement).
+``bench/learning.py``'s readers. ``estimate`` gives each recipe's estimated H200 seconds per 300-step
+curve by part (the prior's forwards, the VAE's decodes, the evaluations; not a measurement), which
+``bench/world81_plan.py`` packs into the GPU session plan. ``--model`` points the recipes at another
+prior folder (``bench/world81_gpu.sh`` uses its work folder's).
 """
 
 from __future__ import annotations

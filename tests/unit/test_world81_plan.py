@@ -48,7 +48,9 @@ def test_one_block_halves_the_transformers_work_not_the_decodes(plans):
     for part in ("rollout_s", "train_s", "no_grad_s"):
         assert one[part] == pytest.approx(two[part] / 2, abs=1.5)
     assert one["decode_s"] == two["decode_s"]
-    assert plans[1]["pretrain_parts_s"]["prior_s"] == pytest.approx(plans[2]["pretrain_parts_s"]["prior_s"] / 2, abs=1)
+    assert plans[1]["pretrain_parts_s"]["prior_s"] == pytest.approx(
+        plans[2]["pretrain_parts_s"]["prior_s"] / 2, abs=1
+    )
 
 
 def test_carry_keeps_the_newest_checkpoint_and_the_prior_but_no_videos(tmp_path):
