@@ -30,7 +30,9 @@ of its own capped alike at 80 and at 141 GiB (``MILES_BENCH_MEMORY_CAP_GIB`` →
 miles also gets the cap as its activation budget, at most the card's memory): the largest that
 completes one step. Frame counts are 4k+1, run ascending; a trainer that failed is not tried at more,
 and at 141 GiB each starts from its largest fit at 80 (the smaller counts recorded as implied); every
-case's peak and step seconds are in ``fit.cases`` and the Markdown's fit table. Writes
+case's peak and step seconds are in ``fit.cases`` and the Markdown's fit table. ``--fit-only`` runs
+the search alone; ``--fit-resume`` an earlier ``peer_step.json`` keeps its cases (a search cut by a
+device command's time limit continues where it stopped). Writes
 ``peer_step.json`` (after every case) and ``peer_step.md`` (drawn from that JSON alone) to ``--out``.
 """
 
@@ -276,6 +278,22 @@ def fit_ours(args, setting: str, shape: list[int], cap: float, case: Path) -> di
     }
 
 
+def earlier_cases(path: Path | None, setting: str) -> dict:
+    """``--fit-resume``: the run cases of an earlier ``peer_step.json`` at the same ``--train`` setting,
+    by (cap, frames, trainer)."""
+    if path is None or not path.is_file():
+        return {}
+    fit_ = json.loads(path.read_text()).get("fit", {})
+    if fit_.get("train") != setting:
+        return {}
+    keys = ("cap_gib", "frames", "trainer")
+    return {
+        tuple(c[k] for k in keys): {k: v for k, v in c.items() if k not in keys}
+        for c in fit_.get("cases", [])
+        if not c.get("implied_by_smaller_cap")
+    }
+
+
 def fit(args, results: dict) -> None:
     """The largest frame count of ``--fit`` each trainer completes a step at, per memory cap (False:
     not even the first), at the first of ``--train``'s settings (LoRA where it is run). Each case is
@@ -285,6 +303,7 @@ def fit(args, results: dict) -> None:
     fits in 80 GiB fits in 141: those counts are recorded as implied, not run again)."""
     setting = settings(args)[0]
     results["fit"] = {"train": setting, "card_gib": card_gib(), "cases": []}
+    done = earlier_cases(args.fit_resume, setting)
     runners = {"flow_grpo": fit_peer, "miles": fit_ours}
     fitted = {name: False for name in runners}  # the largest fit at the previous (smaller) cap
     for cap in CAPS_GIB:
@@ -301,7 +320,7 @@ def fit(args, results: dict) -> None:
                     continue
                 out = args.out / f"fit_{setting}_{cap:g}_{frames}"
                 out.mkdir(parents=True, exist_ok=True)
-                rec = run(args, setting, shape, cap, out)
+                rec = done.get((cap, frames, name)) or run(args, setting, shape, cap, out)
                 results["fit"]["cases"].append({**case, **rec})
                 row[name] = frames if rec["ok"] else row[name]
                 failed |= set() if rec["ok"] else {name}
@@ -324,7 +343,7 @@ def ratio(side: dict) -> float | None:
 def markdown(results: dict) -> str:
     a = results["args"]
     lines = [
-        f"{a['model']}, {a['shape'][0]}x{a['shape'][1]}x{a['shape'][2]} ({results['flops']['tokens']} tokens), "
+        f"{a['model']}, {a['shape'][0]}x{a['shape'][1]}x{a['shape'][2]} ({results.get('flops', {}).get('tokens', '?')} tokens), "
         f"{a['samples']} samples, {a['num_steps']} steps, {a['train_steps']} trained, CFG {a['guidance']:g}, "
         f"shift {a['shift']:g}, {a['text_tokens']} text tokens, micro-batch {a['micro_batch']}, on {results['device']}",
         "",
@@ -402,12 +421,21 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--no-ours", action="store_true", help="flow_grpo's step alone")
     ap.add_argument("--fit", type=int, nargs="*", default=[], help="frame counts to try per memory cap")
+    ap.add_argument("--fit-only", action="store_true", help="the --fit search alone (no side by side)")
+    ap.add_argument(
+        "--fit-resume",
+        type=Path,
+        default=None,
+        help="a peer_step.json of an earlier --fit run (cut by a time limit): its cases are kept, not run again",
+    )
     ap.add_argument("--one-peer", type=int, nargs=3, default=None, help=argparse.SUPPRESS)  # a --fit case
     ap.add_argument("--one-peer-json", type=Path, default=None, help=argparse.SUPPRESS)  # its record
     args = ap.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # a --fit case's process gets them again
     if args.train_steps > args.num_steps:
         raise SystemExit(f"--train-steps {args.train_steps} exceeds --num-steps {args.num_steps}")
+    if args.fit_only and not args.fit:
+        raise SystemExit("--fit-only needs --fit FRAMES...")
     bad = [f for f in args.fit if f < 1 or (f - 1) % 4]
     if bad:
         raise SystemExit(f"--fit {' '.join(map(str, bad))}: frame counts must be 4k+1 (81, 121, 161, ...)")
@@ -428,11 +456,13 @@ def main() -> None:
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     results = {
         "args": {
-            k: v for k, v in vars(args).items() if k not in ("flow_grpo", "out", "argv", "one_peer_json")
+            k: v
+            for k, v in vars(args).items()
+            if k not in ("flow_grpo", "out", "argv", "one_peer_json", "fit_resume")
         },
         "device": device,
     }
-    for setting in settings(args):  # LoRA vs LoRA, full vs full
+    for setting in [] if args.fit_only else settings(args):  # LoRA vs LoRA, full vs full
         args.full = setting == "full"
         peer = peer_steps(args)
         results["flops"] = step_flops(args, peer["tokens"])

@@ -220,9 +220,25 @@ def test_fit_searches_each_cap_up_to_the_largest_that_fits(tmp_path, monkeypatch
     assert "| 80 | 161 | miles | yes | 40.2 | 1.0 |" in text and "| 141 | 281 | miles | no | — | — |" in text
     assert json.loads((tmp_path / "peer_step.json").read_text())["fit"]["141"] == fit["141"]
 
+    # --fit-resume: a search cut short continues; the cases already run are kept, not run again
+    first = tmp_path / "first.json"
+    cut = {**results, "fit": {**fit, "cases": fit["cases"][:9]}}  # stopped once the 80 GiB search was done
+    first.write_text(json.dumps(cut))
+    ran.clear()
+    again = peer_step.parse(
+        [*argv, "--fit", "81", "121", "161", "201", "241", "281", "--fit-only", "--fit-resume", str(first)]
+    )
+    results2 = {"args": {}, "device": "cpu"}
+    peer_step.fit(again, results2)
+    assert ran == [r for r in ran if r[1] == 141.0] and len(ran) == 6  # only the 141 GiB cases ran
+    assert results2["fit"]["80"] == fit["80"] and results2["fit"]["141"] == fit["141"]
+    assert results2["fit"]["cases"] == fit["cases"]
+
 
 def test_fit_refuses_frame_counts_wan_cannot_take():
     from bench import peer_step
 
     with pytest.raises(SystemExit, match="4k\\+1"):
         peer_step.parse(["--flow-grpo", "/x", "--out", "/tmp/x", "--fit", "81", "120"])
+    with pytest.raises(SystemExit, match="--fit-only needs"):
+        peer_step.parse(["--flow-grpo", "/x", "--out", "/tmp/x", "--fit-only"])
