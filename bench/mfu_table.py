@@ -103,6 +103,8 @@ def peer_row(label: str, side: dict, flops: dict, args: dict, peak: float) -> di
 
 def rows_of(name: str, d: dict, peak: float) -> list[dict]:
     """The rows one JSON file holds (none when it is not a step's)."""
+    if not isinstance(d, dict):
+        return []
     if is_step_result(d):
         return [step_row(name, d, peak)]
     rows = []
@@ -156,12 +158,16 @@ def markdown(rows: list[dict], peak: float) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> dict:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--json", type=Path, nargs="+", default=None, help="default: docs/bench/*.json")
     ap.add_argument("--peak", type=float, default=PEAK_TFLOPS, help="TFLOP/s that MFU is taken against")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parser().parse_args(argv)
     paths = args.json or sorted((ROOT / "docs" / "bench").glob("*.json"))
     missing = [str(p) for p in paths if not p.is_file()]
     if missing:
