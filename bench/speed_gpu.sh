@@ -38,7 +38,7 @@ fit_frames=${FIT_FRAMES:-81 121 161 201 241}
 # stages: step_variants_h200.json init 52-95 s, warm-up rollout + compile ~73 s, measured step ~41 s;
 # peer_step_h200.json flow_grpo 2 steps ~125 s) | what it runs
 declare -A estimate=(
-  [profile]=260 [backends]=450 [backends2]=300 [peer-lora]=330 [peer-full]=340 [fit]=570 [precision]=570 [mfu]=5
+  [profile]=260 [backends]=450 [backends2]=450 [peer-lora]=330 [peer-full]=340 [fit]=570 [precision]=570 [mfu]=5
 )
 order="profile backends peer-lora precision | peer-full backends2 fit fit mfu"
 
@@ -89,8 +89,10 @@ backend_cases() {  # one step bench per backend:checkpointing, each in the stage
     backend=${case%%:*} ckpt=${case##*:} name=backend_${backend#_}_${ckpt}
     left=$((limit - (SECONDS - start) - 10))
     if [ "$left" -lt 150 ] && [ -z "${DRY:-}" ]; then echo "[speed] $case: no time left in this stage"; continue; fi
-    if [ "$backend" = xformers ] && [ -z "${DRY:-}" ] && ! $py -c "import xformers.ops" 2>/dev/null; then
-      echo "[speed] $case: xformers does not import here (carry xformers-0.0.35 in .whl)"; continue
+    if [ "$backend" = xformers ] && [ -z "${DRY:-}" ] && ! $py -c "import sys, xformers; sys.exit(not xformers._has_cpp_library)"; then
+      # its wheel's _C.so is built for torch 2.10.0+cu128 (xformers/cpp_lib.json): said, not run
+      echo "[speed] $case: xformers' kernels do not load here: $($py -c "import xformers._cpp_lib as c; print(c._cpp_library_load_exception)" 2>&1 | tail -1)"
+      continue
     fi
     # the recipe's train phase (2 samples x 2 SDE steps x CFG) with a 4-step rollout: the update is
     # what is compared; the canary (log-probs recomputed as rolled out) is in each JSON
@@ -132,7 +134,7 @@ case "$stage" in
   backends | backends2)
     setup
     first="_native_cudnn:budget _native_cudnn:none _native_flash:budget"
-    second="_native_efficient:budget xformers:budget"
+    second="_native_efficient:budget xformers:budget flex:budget"
     cases=${CASES:-$([ "$stage" = backends ] && echo "$first" || echo "$second")}
     backend_cases "$cases" 2>&1 | log || stopped
     ;;
