@@ -151,7 +151,8 @@ def markdown(rows: list[dict], peak: float) -> str:
         ph, st = r["phases"], r["step"]
         warm = "*" if r["includes_warmup"] else ""
         lines.append(
-            f"| {r['label']} | {r['trainer']} | {r['setting']} | {_cell(ph['rollout'], warm)} | "
+            f"| {r['label']} | {r['trainer']} | {'x'.join(map(str, r['shape']))} ({r['tokens']:,} tokens), "
+            f"{r['samples']} samples, {r['setting']} | {_cell(ph['rollout'], warm)} | "
             f"{ph['decode+reward']['s']:.2f}{warm} | {_cell(ph['train'], warm)} | "
             f"{st['tflop']:.0f} / {st['s']:.2f}{warm} / {st['tflops']:.0f} | {st['mfu']:.1%} | {st['mfu_datasheet']:.1%} |"
         )

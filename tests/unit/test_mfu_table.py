@@ -123,3 +123,13 @@ def test_like_for_like_peer_json_gives_both_settings(tmp_path):
     assert rows["peer_step.json:lora:miles"]["step"]["s"] == pytest.approx(miles["summary"]["step"]["wall_s"])
     with pytest.raises(SystemExit, match="no such JSON"):
         mfu_table.main(["--out", str(tmp_path), "--json", str(tmp_path / "absent.json")])
+
+
+def test_benchmarks_md_holds_the_tables_output(table):
+    """BENCHMARKS.md's MFU block is the script's output on the committed JSONs (regenerate it with
+    ``python bench/mfu_table.py --out OUT`` when a step JSON is added under docs/bench/)."""
+    _, text = table
+    doc = (REPO / "BENCHMARKS.md").read_text()
+    begin, end = "<!-- mfu_table.py: begin -->\n", "\n<!-- mfu_table.py: end -->"
+    block = doc[doc.index(begin) + len(begin) : doc.index(end)]
+    assert block == text.rstrip("\n")
