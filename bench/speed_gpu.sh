@@ -22,9 +22,10 @@
 # The device has torch 2.11 + CUDA 13, python 3.12 and no diffusers: `wheels` downloads the pinned
 # ones (and xformers 0.0.35 for the sweep, 3.1 MiB) into .whl, which each call carries
 # (`echo /.whl/ >> .git/info/exclude` once; carry [".whl", ".cache/peers"]); every stage installs
-# them into /tmp/site first. The peer stages need a flow_grpo checkout (32b48fd or later) at
-# FLOW_GRPO (default .cache/peers/flow_grpo: fetch github:yifan123/flow_grpo, then
-# `git --git-dir=<fetched> archive HEAD | tar -x -C .cache/peers/flow_grpo`).
+# them into /tmp/site first. The peer stages need a flow_grpo checkout with scripts/train_wan2_1.py
+# at FLOW_GRPO (default .cache/peers/flow_grpo): docs/learning.md's zhtmike/flow_grpo@9745241 (the
+# fetch tool's yifan123/flow_grpo snapshot is 2025-07's, without the Wan script); `wheels` with
+# FLOW_GRPO_GIT=<the fetched git dir> extracts its flow_grpo/, scripts/ and config/ there (~10 MB).
 set -euo pipefail
 stage=${1:?stage: plan | wheels | profile | backends | backends2 | peer-lora | peer-full | fit | precision | mfu}
 out=${2:?OUT folder}
@@ -124,6 +125,11 @@ case "$stage" in
     run $py -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
       diffusers==0.42.1 transformers==5.24.0 peft==0.21.2 tyro==1.0.17 xformers==0.0.35 $extra
+    if [ -n "${FLOW_GRPO_GIT:-}" ]; then
+      mkdir -p "$flow_grpo"
+      git --git-dir="$FLOW_GRPO_GIT" archive 9745241 flow_grpo scripts config | run tar -x -C "$flow_grpo"
+    fi
+    if [ -z "${DRY:-}" ]; then du -sh .whl "$flow_grpo" 2>/dev/null || true; fi
     ;;
   profile)
     setup

@@ -79,7 +79,9 @@ def test_stage_commands_are_what_the_issue_asks(tmp_path):
     assert profile[1] == "bench/profile_step.py" and "--model" not in profile  # the 1.3B shape, 81x480x832
     sweep = commands(dry("backends", tmp_path)) + commands(dry("backends2", tmp_path))
     cases = {(w[w.index("--attention-backend") + 1], w[w.index("--checkpointing") + 1]) for w in sweep}
-    assert {"_native_cudnn", "_native_flash", "_native_efficient", "xformers", "flex"} == {b for b, _ in cases}
+    assert {"_native_cudnn", "_native_flash", "_native_efficient", "xformers", "flex"} == {
+        b for b, _ in cases
+    }
     assert {("_native_cudnn", "none"), ("_native_cudnn", "budget")} <= cases  # with and without checkpointing
     picked = commands(dry("backends", tmp_path, CASES="_native_flash:full"))
     assert len(picked) == 1 and picked[0][-4:] == [
