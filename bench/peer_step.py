@@ -121,14 +121,27 @@ def sample(peer, pipe, embeds, neg, args) -> dict:
 
 
 def _train_args(args) -> argparse.Namespace:
-    """The fields ``peer_learning.train_rollout`` reads: all samples in one optimizer step."""
+    """The fields ``peer_learning.train_rollout`` reads: all samples in one optimizer step, no KL
+    term (the step measured since issue 35), and bf16 autocast on both settings (``lora_rank`` 0 is
+    how ``peer_learning._autocast`` says so: flow_grpo's own script runs its LoRA path in fp32
+    without autocast, scripts/train_wan2_1.py at 9745241; the side by side keeps the peer in bf16,
+    the faster of the two, as it samples)."""
     return argparse.Namespace(
         num_steps=args.num_steps,
         timestep_fraction=(args.train_steps + 0.5) / args.num_steps,  # floor() gives train_steps
         batches_per_rollout=1,
         micro_batch=args.micro_batch,
         max_grad_norm=1.0,
+        beta=0.0,
+        lora_rank=0,
     )
+
+
+def make_optimizer(params) -> torch.optim.Optimizer:
+    """flow_grpo's AdamW, with the step count ``peer_learning.train_rollout`` keeps on it (its EMA's)."""
+    optimizer = torch.optim.AdamW(params, lr=1e-5, weight_decay=1e-4)
+    optimizer.state_steps = 0
+    return optimizer
 
 
 def _phase(device: torch.device, fn):
@@ -152,7 +165,7 @@ def peer_steps(args) -> dict:
     pipe = build_pipeline(args, device)
     text_dim = pipe.transformer.config.text_dim
     trainable = [p for p in pipe.transformer.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=1e-5, weight_decay=1e-4)
+    optimizer = make_optimizer(trainable)
     cfg = peer_config(args.guidance, argparse.Namespace(clip_range=1e-4))
     reward = JpegIncompressibility()
     gen = torch.Generator().manual_seed(1)

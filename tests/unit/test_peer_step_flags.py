@@ -242,3 +242,33 @@ def test_fit_refuses_frame_counts_wan_cannot_take():
         peer_step.parse(["--flow-grpo", "/x", "--out", "/tmp/x", "--fit", "81", "120"])
     with pytest.raises(SystemExit, match="--fit-only needs"):
         peer_step.parse(["--flow-grpo", "/x", "--out", "/tmp/x", "--fit-only"])
+
+
+def test_the_peers_train_step_gets_every_field_it_reads():
+    """``peer_learning.train_rollout`` (shared with ``bench/peer_learning.py``) reads ``args.beta``,
+    ``args.lora_rank`` and ``optimizer.state_steps`` since issue 42's ``--recipe own``: peer_step's
+    Namespace and optimizer must carry each (they did not: its flow_grpo step failed at train)."""
+    import ast
+    import inspect
+
+    import torch
+
+    from bench import peer_learning, peer_step
+
+    tree = ast.parse(
+        inspect.getsource(peer_learning.train_rollout) + inspect.getsource(peer_learning._autocast)
+    )
+    reads = {
+        base: {
+            n.attr
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Attribute) and getattr(n.value, "id", None) == base
+        }
+        for base in ("args", "optimizer")
+    }
+    assert {"beta", "lora_rank", "micro_batch"} <= reads["args"] and "state_steps" in reads["optimizer"]
+    args = peer_step._train_args(peer_step.parse(PEER))
+    assert all(hasattr(args, name) for name in reads["args"]), reads["args"] - set(vars(args))
+    assert args.beta == 0.0 and int(args.num_steps * args.timestep_fraction) == 3  # --train-steps 3
+    optimizer = peer_step.make_optimizer([torch.nn.Parameter(torch.zeros(2))])
+    assert all(hasattr(optimizer, name) for name in reads["optimizer"] if not name.startswith("_"))
