@@ -13,10 +13,11 @@ rollout — rollout, decode+reward (``Trainer.score``), train (``Trainer.train_o
 - ``wall_s``: the phase's wall time (synchronized), and ``range_us``: the profiler's own inclusive
   CPU time of its range;
 - ``kind``: ``cuda_kernels`` where CUDA ran (each kernel attributed to the phase whose window holds
-  the CPU op that launched it, on any thread: the autograd engine's backward thread too) or
-  ``cpu_ops`` (each op's self CPU time);
+  the CPU op that launched it, on any thread: the autograd engine's backward thread too; the range
+  itself when no op inside it was open, as for Triton's launches) or ``cpu_ops`` (each op's self CPU
+  time);
 - ``total_us``: the sum over every kernel (op) of the phase, ``busy``: ``total_us`` over the wall
-  time (the GPU's busy share on CUDA), ``distinct``: how many names;
+  time (the GPU's busy share on CUDA; above 1 where streams overlap), ``distinct``: how many names;
 - ``top``: the ``--top`` names by self time, each with ``self_us``, ``share`` (of ``total_us``) and
   ``calls``.
 
@@ -129,8 +130,8 @@ def phase_rows(events, cuda: bool) -> dict[str, list[tuple[str, float]]]:
     out = {}
     for phase, rng in ranges.items():
         inside = _window_events(events, rng)
-        if cuda:
-            items = [(k.name, float(k.duration)) for e in inside for k in e.kernels]
+        if cuda:  # a kernel launched with no op inside the range open (Triton's) is the range's own
+            items = [(k.name, float(k.duration)) for e in [rng, *inside] for k in e.kernels]
         else:
             items = [(e.name, float(e.self_cpu_time_total)) for e in inside]
             items.append((rng.name, float(rng.self_cpu_time_total)))  # the range's own Python time
