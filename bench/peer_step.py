@@ -9,7 +9,9 @@ flow_grpo's code stays in its checkout (``--flow-grpo``, as ``bench/peer_learnin
 its ``wan_pipeline_with_logprob`` sampler, ``compute_log_prob`` read from ``scripts/train_wan2_1.py``,
 the clipped loss of its training loop as ``peer_learning.train_rollout`` writes it out). Its step is
 set up as its script sets it up: diffusers eager (no compile), the transformer in fp32 under bf16
-autocast, ``enable_gradient_checkpointing()``, the VAE in fp32, AdamW; CFG ``--guidance`` with its
+autocast (its script's full fine-tune; its LoRA path runs fp32 without autocast, which this bench does
+not copy: both settings here run the faster bf16 autocast, so the ratio is the conservative one),
+``enable_gradient_checkpointing()``, the VAE in fp32, AdamW; no KL term; CFG ``--guidance`` with its
 ``train.cfg``; every denoising step is its SDE step and ``⌊timestep_fraction · T⌋`` of them are
 trained — set to ``--train-steps`` of the ``--num-steps`` (miles' SDE window). The model is the real
 config with random weights (``bench/real_configs.py``), random text embeddings of ``--text-tokens``
