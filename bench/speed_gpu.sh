@@ -118,7 +118,7 @@ case "$stage" in
   wheels)  # here, where pip reaches the registry: the device has none
     mkdir -p .whl
     extra=""
-    for dep in docstring_parser typeguard importlib_metadata; do
+    for dep in docstring_parser typeguard importlib_metadata pytest pluggy iniconfig pygments; do
       extra+=" $dep==$($py -c "import importlib.metadata as m; print(m.version('$dep'))")"
     done
     # shellcheck disable=SC2086
@@ -133,9 +133,12 @@ case "$stage" in
     ;;
   profile)
     setup
-    run timeout "$limit" $py bench/profile_step.py --out "$scratch/profile" --work "$scratch/work" --top 15 2>&1 | log || stopped
+    run timeout $((limit - 50)) $py bench/profile_step.py --out "$scratch/profile" --work "$scratch/work" --top 15 2>&1 | log || stopped
     keep "$scratch/profile/profile.json" profile_1p3b.json
     keep "$scratch/profile/profile.md" profile_1p3b.md
+    # the attribution of kernels to phases on this GPU (the backward's thread too): seconds
+    run timeout 45 $py -m pytest -q -p no:cacheprovider tests/gpu/test_profile_step_gpu.py 2>&1 | tail -5 \
+      > "$out/profile_gpu_test.txt" || true
     ;;
   backends | backends2)
     setup
