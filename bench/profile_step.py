@@ -230,6 +230,7 @@ def main(argv: list[str] | None = None) -> dict:
             args.trace.parent.mkdir(parents=True)
         prof.prof.export_chrome_trace(str(args.trace))
     result["rollouts"] = args.rollouts
+    result["command"] = ["bench/profile_step.py", *(sys.argv[1:] if argv is None else argv)]
     result["profile"] = {
         "profiled_rollout": args.rollouts,
         "top": args.top,

@@ -66,6 +66,10 @@ def test_profile_matches_the_profilers_totals(profiled):
 def test_profile_records_the_setup(profiled):
     result, _ = profiled
     assert result["device"] == "cpu" and result["shape"] == [5, 64, 64]
+    assert (
+        result["command"][:3] == ["bench/profile_step.py", "--out", result["command"][2]]
+        and "--top" in result["command"]
+    )
     assert result["activation_checkpointing"] == "budget"  # the recipe's
     assert result["canary_per_rollout"] == [0.0, 0.0] and result["canary_exact"] is True
     assert result["flops"]["rollout"] > 0 and "summary" in result  # what bench/mfu_table.py reads
