@@ -22,6 +22,7 @@
 # copy that back into WORK here and pass WORK as the device tool's `carry` to continue on a fresh
 # machine (bench/world81_plan.py --carry prints its size against the 64 MiB limit).
 #
+# DRY=1 prints each command ("CMD ...") instead of running it (tests/unit/test_world81_plan.py parses them).
 # PRIOR_BLOCKS=1 trains the 1-block prior (halves the transformer's work; docs/learning.md,
 # "The 81-frame world"); EVAL_EVERY sets the curves' held-out evaluation interval (default 15).
 set -euo pipefail
@@ -31,10 +32,14 @@ work=${WORK:-runs/world81}
 limit=${LIMIT:-570}   # seconds a stage may run: under the device tool's 600
 py=${PY:-python}
 export HF_HUB_OFFLINE=1 WANDB_MODE=disabled
+run() {  # a command, or with DRY=1 its words
+  if [ -n "${DRY:-}" ]; then printf 'CMD'; printf ' %q' "$@"; printf '\n'; else "$@"; fi
+}
 plan_args=(${PRIOR_BLOCKS:+--prior-blocks "$PRIOR_BLOCKS"} ${EVAL_EVERY:+--eval-every "$EVAL_EVERY"})
 if [ "$stage" = plan ]; then
   [ -z "$out" ] || mkdir -p "$out"
-  exec $py bench/world81_plan.py "${plan_args[@]}" ${out:+--json "$out/plan.json"}
+  run $py bench/world81_plan.py "${plan_args[@]}" ${out:+--json "$out/plan.json"}
+  exit 0
 fi
 [ -n "$out" ] || { echo "give OUT (a folder the results and the carried state go to)" >&2; exit 2; }
 mkdir -p "$out" "$work"
@@ -44,38 +49,38 @@ if [ ! -f "$model/transformer/diffusion_pytorch_model.safetensors" ] \
    && [ -f miles/world/pipeline_81/transformer/diffusion_pytorch_model.safetensors ]; then
   model=miles/world/pipeline_81
 fi
-carry_out() { $py bench/world81_plan.py --carry "$work" "$out/world81"; }
+carry_out() { run $py bench/world81_plan.py --carry "$work" "$out/world81"; }
 trap carry_out EXIT
 recipes=(--model "$model" ${EVAL_EVERY:+--eval-every "$EVAL_EVERY"})
 case "$stage" in
   pretrain)
     budget=$(awk "BEGIN { print ($limit - 60) / 60 }")   # minutes: leaves the save and the copy their time
     rc=0
-    timeout -k 15 "$limit" $py -m miles.pretrain_world_81 "$work/pipeline_81" --max-minutes "$budget" \
+    run timeout -k 15 "$limit" $py -m miles.pretrain_world_81 "$work/pipeline_81" --max-minutes "$budget" \
       --state-dir "$work/pretrain_state" ${PRIOR_BLOCKS:+--prior-blocks "$PRIOR_BLOCKS"} \
       2>&1 | tee -a "$out/pretrain_81.log" || rc=${PIPESTATUS[0]}
     if [ "$rc" = 75 ]; then echo "pretraining paused at its budget: run this stage again"; exit 75; fi
     [ "$rc" = 0 ] || exit "$rc"
-    cp "$work/pretrain_report_81.json" "$out/"
+    [ -n "${DRY:-}" ] || cp "$work/pretrain_report_81.json" "$out/"
     ;;
   curves | report)
     what=$([ "$stage" = curves ] && echo "--run --resume --time-limit $((limit - 90))" || echo "--report")
     # shellcheck disable=SC2086
-    $py bench/world81_recipes.py --out "$work/curves" --recipes nft --seeds 0 1 2 --negated --twin-seeds 0 \
+    run $py bench/world81_recipes.py --out "$work/curves" --recipes nft --seeds 0 1 2 --negated --twin-seeds 0 \
       "${recipes[@]}" $what 2>&1 | tee -a "$out/curves.log"
     cp "$work"/curves/world81.* "$work/curves/plan.json" "$out/" 2>/dev/null || true
     ;;
   vae)
-    timeout -k 15 "$limit" $py bench/world81_vae_check.py --out "$out/vae_check_81.json" --shapes 81x480x832 \
+    run timeout -k 15 "$limit" $py bench/world81_vae_check.py --out "$out/vae_check_81.json" --shapes 81x480x832 \
       --vae "$model/vae" 2>&1 | tee "$out/vae_check.log"
     ;;
   recipes)
-    $py bench/world81_recipes.py --out "$work/recipes" --seeds 0 --negated --run --resume \
+    run $py bench/world81_recipes.py --out "$work/recipes" --seeds 0 --negated --run --resume \
       --time-limit $((limit - 90)) "${recipes[@]}" ${RECIPES:+--recipes $RECIPES} 2>&1 | tee -a "$out/recipes.log"
     cp "$work"/recipes/world81.* "$out/" 2>/dev/null || true
     ;;
   peer)
-    timeout -k 15 "$limit" $py bench/peer_learning.py --flow-grpo .cache/peers/flow_grpo --out "$work/peer" \
+    run timeout -k 15 "$limit" $py bench/peer_learning.py --flow-grpo .cache/peers/flow_grpo --out "$work/peer" \
       --recipe own --mode cfg --model "$model" --config configs/world_81.yaml \
       --num-frames 81 --height 480 --width 832 --prompts-per-rollout 2 --micro-batch 1 \
       --num-rollouts 150 --export-every 30 --time-limit $((limit - 90)) 2>&1 | tee "$out/peer.log"

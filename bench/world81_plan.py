@@ -266,13 +266,18 @@ def show(p: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prior-blocks", type=int, choices=(1, 2), default=2)
     ap.add_argument("--eval-every", type=int, default=15)
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--count", action="store_true", help="recount the world VAE's FLOPs and print them")
     ap.add_argument("--carry", nargs=2, type=Path, metavar=("WORK", "DEST"), help="copy the resumable state")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = parser()
     args = ap.parse_args(argv)
     if args.carry:
         done = carry(*args.carry)

@@ -259,7 +259,7 @@ def launch(
     return walls
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=list(RECIPES))
@@ -275,6 +275,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--report", action="store_true", help="only read the runs in OUT and write the JSON/PNG")
     p.add_argument("--model", default=MODEL, help=f"the 81-frame prior's folder (default {MODEL})")
     p.add_argument("--eval-every", type=int, default=EVAL_EVERY, help="rollouts between held-out evaluations")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     paths = write_recipes(args.out, args.recipes, args.model, args.eval_every)

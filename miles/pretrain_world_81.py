@@ -246,7 +246,7 @@ def config_from_args(args) -> Pretrain81Config:
     return dataclasses.replace(Pretrain81Config(), **overrides)
 
 
-def main(argv: list[str]) -> None:
+def parser():
     import argparse
 
     p = argparse.ArgumentParser(
@@ -269,6 +269,11 @@ def main(argv: list[str]) -> None:
     p.add_argument(
         "--state-dir", type=Path, default=None, help="a paused run's state (default: .OUT_DIR.resume)"
     )
+    return p
+
+
+def main(argv: list[str]) -> None:
+    p = parser()
     args = p.parse_args(argv)
     cfg = config_from_args(args)
     if args.estimate:

@@ -75,3 +75,61 @@ def test_carry_keeps_the_newest_checkpoint_and_the_prior_but_no_videos(tmp_path)
         "pipeline_81/vae/w.safetensors",
     ]
     assert done["skipped"] == ["curves/nft-s0/videos/step_10.mp4"]
+
+
+SCRIPT = ROOT / "bench" / "world81_gpu.sh"
+STAGES = ["plan", "pretrain", "curves", "report", "vae", "recipes", "peer"]
+
+
+def _dry(stage: str, tmp_path: Path, **env) -> list[list[str]]:
+    import os
+    import shlex
+    import subprocess
+
+    proc = subprocess.run(
+        ["bash", str(SCRIPT), stage, str(tmp_path / "out")],
+        cwd=ROOT,
+        env={**os.environ, "DRY": "1", "WORK": str(tmp_path / "work"), "PY": sys.executable, **env},
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return [shlex.split(line[4:]) for line in proc.stdout.splitlines() if line.startswith("CMD ")]
+
+
+def _parse(words: list[str]) -> None:
+    """A command parsed by its own script's parser (a flag it does not define fails here, not on the
+    device); the benches this script does not own are checked for each flag's definition."""
+    if words[0] == "timeout":
+        assert words[1:3] == ["-k", "15"] and int(words[3]) <= 570  # under the device's 600 s
+        words = words[4:]
+    assert words[0] == sys.executable
+    if words[1:3] == ["-m", "miles.pretrain_world_81"]:
+        from miles.pretrain_world_81 import config_from_args, parser
+
+        config_from_args(parser().parse_args(words[3:]))
+        return
+    script, args = words[1], words[2:]
+    name = Path(script).stem
+    if name in ("world81_recipes", "world81_plan"):
+        module = __import__(name)
+        module.parser().parse_args(args)
+        return
+    text = (ROOT / script).read_text()
+    for flag in (a for a in args if a.startswith("--")):
+        assert f'"{flag}"' in text, f"{script} defines no {flag}"
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_every_stage_command_parses(stage, tmp_path):
+    cmds = _dry(stage, tmp_path, PRIOR_BLOCKS="1", EVAL_EVERY="30", RECIPES="awm dgpo")
+    assert cmds
+    for words in cmds:
+        _parse(words)
+    if stage != "plan":  # every stage leaves what resumes it in OUT
+        assert cmds[-1][1:3] == ["bench/world81_plan.py", "--carry"]
+    joined = [" ".join(c) for c in cmds]
+    if stage == "pretrain":
+        assert "--prior-blocks 1" in joined[0] and "--max-minutes 8.5" in joined[0]
+    if stage == "curves":
+        assert "--resume" in joined[0] and "--eval-every 30" in joined[0] and "--time-limit 480" in joined[0]
