@@ -279,7 +279,7 @@ class GRPOGuard(FlowGRPO):
         if cfg.rollout.differs_from_training:
             errors.append(
                 "rollout.precision fp8 and rollout.attention_precision correct Flow-GRPO's plain ratio; GRPO-Guard's "
-                "normalised ratio would need the bf16 policy's old means: use algorithm.name flow_grpo, or "
+                "normalised ratio would need the bf16 policy's old means: use algorithm.name flow_grpo or "
                 "rollout.precision bf16 and rollout.attention_precision bf16"
             )
         if cfg.rollout.sde_type != "sde":

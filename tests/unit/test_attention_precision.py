@@ -64,7 +64,9 @@ def test_int8_round_trip_is_per_block_and_rounds_half_away_from_zero():
                 scale = blk.abs().max() / 127
                 levels = blk / scale
                 expect = torch.trunc(levels + 0.5 * torch.sign(levels)) * scale
-                torch.testing.assert_close(out[b, start : start + 64, h].double(), expect, rtol=1e-6, atol=1e-7)
+                torch.testing.assert_close(
+                    out[b, start : start + 64, h].double(), expect, rtol=1e-6, atol=1e-7
+                )
                 assert (out[b, start : start + 64, h].double() / scale).round().abs().max() == 127
 
 
@@ -209,7 +211,10 @@ def test_low_precision_attention_turns_the_correction_on():
     assert cfg.rollout.differs_from_training
     assert build_algorithm(cfg).correction is not None
     with pytest.raises(ConfigError, match="rollout.attention_precision bf16"):
-        Config(algorithm=AlgorithmConfig(name="grpo_guard"), rollout=RolloutConfig(attention_precision="sage_int8"))
+        Config(
+            algorithm=AlgorithmConfig(name="grpo_guard"),
+            rollout=RolloutConfig(attention_precision="sage_int8"),
+        )
     # tis_cap is read: no "set but never read" warning
     from miles.config import config_warnings
 
@@ -231,12 +236,19 @@ def test_the_correction_uses_the_bf16_recompute_of_an_int8_rollout():
     )
     model = _tiny()
     g = torch.Generator().manual_seed(3)
-    pos, neg = torch.randn(2, 7, TINY_WAN["text_dim"], generator=g), torch.randn(1, 7, TINY_WAN["text_dim"], generator=g)
+    pos, neg = (
+        torch.randn(2, 7, TINY_WAN["text_dim"], generator=g),
+        torch.randn(1, 7, TINY_WAN["text_dim"], generator=g),
+    )
     sample = dict(num_steps=4, shift=3.0, guidance_scales=[4.0], noise_level=0.7, sde_steps=[0, 1])
     with torch.no_grad(), rollout_attention([model], "sage_int8", kernel=sage_int8_reference):
-        ro = sample_with_logprob([model], pos, neg, (4, 3, 8, 8), generator=torch.Generator().manual_seed(5), **sample)
+        ro = sample_with_logprob(
+            [model], pos, neg, (4, 3, 8, 8), generator=torch.Generator().manual_seed(5), **sample
+        )
     with torch.no_grad():
-        bf16 = torch.stack([compute_log_prob([model], ro, k, pos, neg, [4.0], None, 0.7)[0] for k in range(2)], 1)
+        bf16 = torch.stack(
+            [compute_log_prob([model], ro, k, pos, neg, [4.0], None, 0.7)[0] for k in range(2)], 1
+        )
     gap = (bf16 - ro.log_probs).abs().mean()
     assert gap > 0
     batch = RolloutBatch(
@@ -331,7 +343,9 @@ def _gpu_host(monkeypatch, package: bool, capability=(9, 0)):
     monkeypatch.setattr(
         importlib.util,
         "find_spec",
-        lambda name, *a: (object() if package else None) if name in ("sageattention", "triton") else real(name, *a),
+        lambda name, *a: (
+            (object() if package else None) if name in ("sageattention", "triton") else real(name, *a)
+        ),
     )
 
 
@@ -370,7 +384,9 @@ def test_dry_run_and_real_run_refuse_alike_on_a_gpu_host(monkeypatch):
     _any_head_dim(monkeypatch)
     _gpu_host(monkeypatch, package=False)
     for _ in ("dry run", "real run"):  # both call plan_run with device_type cuda on this host
-        with pytest.raises(PlanError, match=r"needs sageattention and triton .*pip install -e '.\[attn-lowp\]'"):
+        with pytest.raises(
+            PlanError, match=r"needs sageattention and triton .*pip install -e '.\[attn-lowp\]'"
+        ):
             _plan(["sage_int8"])
     _gpu_host(monkeypatch, package=True, capability=(7, 5))
     with pytest.raises(PlanError, match="this GPU is sm 75"):
