@@ -321,13 +321,13 @@ def test_a_yaml_value_outside_the_choices_names_them(tmp_path):
 # The plan: the dry run refuses what the real run refuses
 
 
-def _plan(extra, device_type="cuda", world_size=1):
+def _plan(extra, device_type="cuda", world_size=1, strict=False):
     from miles.config import parse_args
     from miles.train.plan import plan_run
 
     args = ["--config", "configs/tiny_cpu.yaml", "--model.dtype", "bfloat16", "--rollout.attention-precision"]
     cfg, _ = parse_args(args + extra)
-    return plan_run(cfg, world_size, device_type=device_type)
+    return plan_run(cfg, world_size, device_type=device_type, strict=strict)
 
 
 def _any_head_dim(monkeypatch):
@@ -383,11 +383,11 @@ def test_dry_run_and_real_run_refuse_alike_on_a_gpu_host(monkeypatch):
 
     _any_head_dim(monkeypatch)
     _gpu_host(monkeypatch, package=False)
-    for _ in ("dry run", "real run"):  # both call plan_run with device_type cuda on this host
+    for strict in (False, True):  # the dry run's plan, the real run's (strict)
         with pytest.raises(
             PlanError, match=r"needs sageattention and triton .*pip install -e '.\[attn-lowp\]'"
         ):
-            _plan(["sage_int8"])
+            _plan(["sage_int8"], strict=strict)
     _gpu_host(monkeypatch, package=True, capability=(7, 5))
     with pytest.raises(PlanError, match="this GPU is sm 75"):
         _plan(["sage_int8"])
