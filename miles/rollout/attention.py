@@ -6,8 +6,8 @@ the sequence subtracted, which softmax ignores), Q and K are quantized to INT8 w
 of 128 query / 64 key tokens, QK^T runs on INT8 tensor cores, P and V in fp16. While a gathered expert
 samples, the processors of its self-attention modules (``attn1`` of every block) are switched to the
 diffusers backend name ``_sage_qk_int8_pv_fp16_triton`` — diffusers' own name for this arithmetic, whose
-registry entry (written for SageAttention 2, which is not on PyPI) is pointed at this kernel for the
-context — and switched back when the phase ends: the log-prob recompute, the backward, the KL reference
+registry entry (written for SageAttention 2, which is not on PyPI) is pointed at this kernel once per
+process — and switched back when the phase ends: the log-prob recompute, the backward, the KL reference
 and evaluation stay bf16. Under USP the name reaches the local attention as ``backend=`` (ring = 1);
 ring attention needs a kernel that returns the softmax's log-sum-exp, which this one does not, so
 ring > 1 is refused. Cross-attention (text, image) stays bf16: 512 keys against the video's tens of
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib.util
 from collections.abc import Callable, Iterator, Sequence
 
@@ -84,6 +85,7 @@ def sage_int8_reference(
     return out.to(dtype)
 
 
+@functools.cache
 def _sage_int8_kernel() -> Kernel:
     from sageattention import sageattn  # 1.0.6: the Triton kernels, CUDA only
 
@@ -92,8 +94,7 @@ def _sage_int8_kernel() -> Kernel:
         k = k - k.mean(dim=1, keepdim=True)
         return sageattn(q, k, v, tensor_layout="NHD", is_causal=False, sm_scale=scale, smooth_k=False)
 
-    # A graph break under a compiled block: the Triton launches run as the package calls them.
-    return torch.compiler.disable(attention)
+    return attention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,37 +210,42 @@ def self_attention_processors(module: nn.Module) -> list:
     return found
 
 
-def _backend_function(kernel: Kernel, name: str) -> Callable[..., torch.Tensor]:
-    """The function diffusers' dispatch calls for the backend: the arguments diffusers passes (it
-    keeps only the parameters named here), refusing what the kernel cannot do."""
+# The kernel each backend runs, set by :func:`rollout_attention` for its context. The function
+# registered with diffusers reads it (under a compiled block that function is a graph break, so the
+# compiled code guards on the processors' backend name only, never on this table or the registry).
+_ACTIVE_KERNELS: dict[str, Kernel] = {}
 
+
+def _backend_function(name: str) -> Callable[..., torch.Tensor]:
+    """The function diffusers' dispatch calls for ``name``'s backend: the arguments diffusers passes
+    (it keeps only the parameters named here), refusing what the kernel cannot do."""
+
+    @torch.compiler.disable
     def lowp_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None):
         if attn_mask is not None or dropout_p or is_causal:
             raise ValueError(
                 f"rollout.attention_precision {name}: self-attention without a mask, dropout or causality "
                 "only; set rollout.attention_precision bf16"
             )
+        kernel = _ACTIVE_KERNELS.get(name)
+        if kernel is None:
+            raise RuntimeError(f"the {name} attention backend was called outside rollout_attention")
         return kernel(query, key, value, scale)
 
     return lowp_attention
 
 
-@contextlib.contextmanager
-def _registered(backend: str, fn: Callable[..., torch.Tensor]) -> Iterator[object]:
-    """``fn`` as diffusers' registry entry for ``backend`` within the context (restored on exit)."""
+@functools.cache
+def _registered(name: str):
+    """Register ``name``'s backend function under its diffusers backend name, once per process (the
+    same function object for every rollout: nothing for a compiled block to re-guard); returns the
+    diffusers backend member the processors are switched to. Diffusers' own entry for that name
+    calls SageAttention 2 (not on PyPI), which this process never runs."""
     from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
 
-    reg, name = _AttentionBackendRegistry, AttentionBackendName(backend)
-    saved = tuple(table.get(name) for table in (reg._backends, reg._constraints, reg._supported_arg_names))
-    try:
-        reg.register(name)(fn)
-        yield name
-    finally:
-        for table, old in zip((reg._backends, reg._constraints, reg._supported_arg_names), saved):
-            if old is None:
-                table.pop(name, None)
-            else:
-                table[name] = old
+    member = AttentionBackendName(KERNELS[name].diffusers_backend)
+    _AttentionBackendRegistry.register(member)(_backend_function(name))
+    return member
 
 
 @contextlib.contextmanager
@@ -261,15 +267,20 @@ def rollout_attention(
     processors = [p for m in modules for p in self_attention_processors(m)]
     # (processor, had an instance attribute, its backend): diffusers' default lives on the class
     saved = [(p, "_attention_backend" in vars(p), getattr(p, "_attention_backend", None)) for p in processors]
-    fn = _backend_function(kernel if kernel is not None else spec.load(), precision)
-    with _registered(spec.diffusers_backend, fn) as name:
-        try:
-            for p in processors:
-                p._attention_backend = name
-            yield
-        finally:
-            for p, had_own, backend in saved:
-                if had_own:
-                    p._attention_backend = backend
-                else:
-                    del p._attention_backend
+    name = _registered(precision)
+    previous = _ACTIVE_KERNELS.get(precision)
+    _ACTIVE_KERNELS[precision] = kernel if kernel is not None else spec.load()
+    try:
+        for p in processors:
+            p._attention_backend = name
+        yield
+    finally:
+        for p, had_own, backend in saved:
+            if had_own:
+                p._attention_backend = backend
+            else:
+                del p._attention_backend
+        if previous is None:
+            del _ACTIVE_KERNELS[precision]
+        else:
+            _ACTIVE_KERNELS[precision] = previous

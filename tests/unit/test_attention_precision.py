@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import math
 
 import pytest
@@ -126,7 +127,6 @@ def _spy(calls):
 def test_the_rollout_self_attention_switches_and_training_gets_bf16_back():
     model = _tiny()
     x, t, ctx = _inputs()
-    saved_entry = _AttentionBackendRegistry._backends.get(BACKEND)
     calls = []
     with torch.no_grad():
         ref = model(x, t, ctx, return_dict=False)[0]
@@ -142,7 +142,14 @@ def test_the_rollout_self_attention_switches_and_training_gets_bf16_back():
     assert (low - ref).abs().max() < 0.05 * ref.abs().max()
     assert torch.equal(after, ref)
     assert all("_attention_backend" not in vars(p) for p in self_attention_processors(model))
-    assert _AttentionBackendRegistry._backends.get(BACKEND) is saved_entry
+    # registered once per process (a compiled block sees the same function every rollout), and it
+    # runs nothing outside the rollout's context
+    entry = _AttentionBackendRegistry._backends[BACKEND]
+    with rollout_attention([model], "sage_int8", kernel=sage_int8_reference):
+        assert _AttentionBackendRegistry._backends[BACKEND] is entry
+    q, k, v = _qkv(s=8, d=16)
+    with pytest.raises(RuntimeError, match="outside rollout_attention"):
+        entry(query=q, key=k, value=v)
 
 
 def test_the_switch_is_undone_on_error_and_bf16_changes_nothing():
@@ -190,9 +197,10 @@ def test_a_family_without_self_attention_modules_is_refused():
 
 
 def test_a_masked_or_causal_call_is_refused_by_the_backend():
-    fn = lowp._backend_function(sage_int8_reference, "sage_int8")
+    fn = lowp._backend_function("sage_int8")
     q, k, v = _qkv(s=8, d=16)
-    torch.testing.assert_close(fn(q, k, v), sage_int8_reference(q, k, v))
+    with rollout_attention([_tiny()], "sage_int8", kernel=sage_int8_reference):
+        torch.testing.assert_close(fn(q, k, v), sage_int8_reference(q, k, v))
     with pytest.raises(ValueError, match="without a mask"):
         fn(q, k, v, is_causal=True)
     with pytest.raises(ValueError, match="without a mask"):
@@ -407,3 +415,32 @@ def test_plan_refuses_ring_and_deterministic_mode_with_every_other_refusal(monke
         _plan(["sage_int8", "--deterministic-mode"])
     with pytest.raises(PlanError, match="set model.dtype bfloat16"):
         _plan(["sage_int8", "--model.dtype", "float32"])
+
+
+# ---------------------------------------------------------------------------------------------
+# The bench, end to end at its tiny CPU case
+
+
+def test_bench_tiny_writes_every_key(tmp_path):
+    from bench.attention_precision import main
+
+    main(["--out", str(tmp_path), "--tiny", "--repeats", "1"])
+    result = json.loads((tmp_path / "attention_precision.json").read_text())
+    assert set(result) == {"meta", "kernel", "rollout"} and result["meta"]["tiny"]
+    (kernel,) = result["kernel"]
+    assert {"bf16_ms", "lowp_ms", "speedup", "bf16_tflops", "lowp_tflops"} <= set(kernel)
+    assert "emulation" in kernel["kernel_impl"]
+    assert kernel["err_lowp_vs_reference"] == 0.0  # on CPU the kernel is the reference
+    assert kernel["err_lowp_vs_exact"] > 2 * kernel["err_bf16_vs_exact"] > 0  # INT8 is coarser than bf16
+    (rollout,) = result["rollout"]
+    assert rollout["bf16/bf16"]["rescore_abs_gap_max"] == 0.0  # the canary: bf16's recompute is exact
+    low = rollout["bf16/sage_int8"]
+    assert low["logp_abs_gap_mean"] > 0 and len(low["logp_gap"]) == 2  # 3 steps, the last an ODE step
+    assert {"speedup", "tis_weight_mean", "final_latent_rel_l2"} <= set(low)
+    assert set(rollout["runs"]) | set(rollout["unavailable"]) == {
+        "bf16/bf16",
+        "fp8/bf16",
+        "bf16/sage_int8",
+        "fp8/sage_int8",
+    }
+    assert "no time here is a speed-up" in (tmp_path / "attention_precision.md").read_text()
