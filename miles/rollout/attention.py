@@ -63,26 +63,30 @@ def sage_int8_reference(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, *, quantize: bool = True
 ) -> torch.Tensor:
     """SageAttention 1's arithmetic in float32, (B, S, H, D) layout as diffusers calls a backend:
-    K smoothed (minus its mean over the sequence), Q·scale·log2(e) and K each quantized to INT8 per
-    block (128 query / 64 key tokens, one scale per batch, head and block), the scores exp2-softmaxed
-    in float32, P and V rounded to fp16 for PV, the output in the input dtype. The kernel's online
-    softmax rounds P against a running max block by block; this takes the row's max at once, so the
-    two differ at fp16 rounding, not at INT8's. ``quantize=False``: the same without the INT8 step
-    (then it is exact attention up to P and V in fp16: the smoothing leaves softmax unchanged)."""
+    K smoothed in the input dtype (minus its mean over the sequence, as the kernel's caller does),
+    Q·scale·log2(e) and K each quantized to INT8 per block (128 query / 64 key tokens, one scale per
+    batch, head and block), the scores exp2-softmaxed in float32, P and V rounded to fp16 and PV
+    summed in fp16 within each block of 64 keys (the kernel's ``tl.dot(p, v, out_dtype=fp16)``),
+    the blocks in float32, the output in the input dtype. The kernel's online softmax rounds P
+    against a running max block by block; this takes the row's max at once, so the two differ at
+    fp16 rounding, not at INT8's. ``quantize=False``: the same without the INT8 step (exact
+    attention up to fp16 P and V: the smoothing leaves softmax unchanged)."""
     dtype = q.dtype
-    d = q.shape[-1]
+    b, s, h, d = q.shape
     scale = d**-0.5 if scale is None else scale
-    qf, kf, vf = (t.float() for t in (q, k, v))
-    kf = kf - kf.mean(dim=1, keepdim=True)
+    qf, kf, vf = q.float(), (k - k.mean(dim=1, keepdim=True)).float(), v.float()
     qf = qf * (scale * 1.4426950408889634)  # log2(e): the kernel's softmax is exp2
     if quantize:
         qf, kf = _quantize_int8_blocks(qf, 128), _quantize_int8_blocks(kf, 64)
     scores = torch.einsum("bqhd,bkhd->bhqk", qf, kf)
     p = torch.exp2(scores - scores.amax(dim=-1, keepdim=True))
     denom = p.sum(dim=-1, keepdim=True)
-    p16, v16 = p.half().float(), vf.half().float()
-    out = torch.einsum("bhqk,bkhd->bqhd", p16 / denom, v16)
-    return out.to(dtype)
+    out = torch.zeros(b, h, q.shape[1], d, dtype=torch.float32, device=q.device)
+    for start in range(0, k.shape[1], 64):  # PV block by block, each block's sum rounded to fp16
+        p16 = p[..., start : start + 64].half().float()
+        v16 = vf[:, start : start + 64].half().float()
+        out += torch.einsum("bhqk,bkhd->bhqd", p16, v16).half().float()
+    return (out / denom).transpose(1, 2).to(dtype)
 
 
 @functools.cache
