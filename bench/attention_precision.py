@@ -11,7 +11,9 @@ outliers SageAttention's smoothing is for): the milliseconds of the rollout's bf
 kernel (``sage_int8``: smoothing, INT8 quantization and the Triton attention, everything the rollout
 pays), their TFLOP/s at 4·S²·H·D, and on the first 1,024 queries the mean error of each against
 float32 attention (relative to its mean magnitude) and of the kernel against its float formula
-(:func:`miles.rollout.attention.sage_int8_reference`).
+(:func:`miles.rollout.attention.sage_int8_reference`). Beside them, exploratory, cuDNN's FP8 SDPA
+through ``nvidia-cudnn-frontend`` (1.16.0, a 2 MB wheel, when importable): ``cudnn_fp8_ms`` and its
+error, or ``cudnn_fp8_error`` with the reason it did not run; it is not a rollout setting.
 
 Rollout (``rollout``): the 1.3B transformer with random weights wrapped as the trainer wraps it
 (``bench/fp8_rollout.py``'s ``build_expert``: FSDP2, bf16 compute, blocks compiled unless
@@ -90,6 +92,72 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).abs().mean() / b.float().abs().mean())
 
 
+def _fp8_per_tensor(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x in float8 e4m3 with one power-of-two scale (amax to at most 448), and its descale (1,1,1,1)."""
+    amax = x.abs().amax().float().clamp_min(1e-12)
+    mult = torch.exp2(torch.floor(torch.log2(448.0 / amax)))
+    return (x.float() * mult).to(torch.float8_e4m3fn).contiguous(), (1.0 / mult).reshape(1, 1, 1, 1)
+
+
+def cudnn_fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """cuDNN's FP8 SDPA forward (``nvidia-cudnn-frontend``'s ``sdpa_fp8``) for (B, S, H, D) bf16 at
+    this shape, as a callable that pays what a rollout would: K smoothed (as SageAttention does:
+    softmax ignores it, and it narrows K's range), Q, K, V to e4m3 with per-tensor power-of-two
+    scales, P at a fixed scale of 256 (P <= 1), the FP8 output (Hopper writes e4m3) back to bf16.
+    Exploratory: not a ``rollout.attention_precision`` value (docs/fp8_rollout.md says why)."""
+    import cudnn
+
+    b, s, h, d = q.shape
+    e4m3, f32 = cudnn.data_type.FP8_E4M3, cudnn.data_type.FLOAT
+    handle = cudnn.create_handle()
+    cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream().cuda_stream)
+    graph = cudnn.pygraph(io_data_type=e4m3, intermediate_data_type=f32, compute_data_type=f32, handle=handle)
+    dims, strides = (b, h, s, d), (s * h * d, d, h * d, 1)  # (B, H, S, D) views of contiguous (B, S, H, D)
+    tq, tk, tv = (graph.tensor(name=n, dim=dims, stride=strides, data_type=e4m3) for n in ("q", "k", "v"))
+    names = ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o")
+    scalars = {n: graph.tensor(name=n, dim=(1, 1, 1, 1), stride=(1, 1, 1, 1), data_type=f32) for n in names}
+    o, _, amax_s, amax_o = graph.sdpa_fp8(
+        q=tq, k=tk, v=tv, **scalars, is_inference=True, attn_scale=d**-0.5, use_causal_mask=False
+    )
+    o.set_output(True).set_dim(dims).set_stride(strides).set_data_type(e4m3)
+    for amax in (amax_s, amax_o):
+        amax.set_output(True).set_dim((1, 1, 1, 1)).set_stride((1, 1, 1, 1)).set_data_type(f32)
+    graph.validate()
+    graph.build_operation_graph()
+    graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+    graph.check_support()
+    graph.build_plans()
+    workspace = torch.empty(graph.get_workspace_size(), dtype=torch.uint8, device=q.device)
+    p_scale = torch.full((1, 1, 1, 1), 256.0, device=q.device)
+    amaxes = [torch.empty(1, 1, 1, 1, device=q.device) for _ in range(2)]
+
+    def attention(q, k, v):
+        (q8, dq), (k8, dk), (v8, dv) = (_fp8_per_tensor(t) for t in (q, k - k.mean(dim=1, keepdim=True), v))
+        o_scale = 0.5 / dv  # |O| <= max|V|: half of V's own range
+        out = torch.empty(q.shape, dtype=torch.float8_e4m3fn, device=q.device)
+        pack = {tq: q8, tk: k8, tv: v8, o: out, amax_s: amaxes[0], amax_o: amaxes[1]}
+        pack.update(dict(zip((scalars[n] for n in names), (dq, dk, dv, 1.0 / p_scale, p_scale, o_scale))))
+        cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream().cuda_stream)
+        graph.execute(pack, workspace, handle=handle)
+        return (out.float() / o_scale).to(q.dtype)
+
+    return attention
+
+
+def cudnn_fp8_row(q, k, v, exact: torch.Tensor, bf16_ms: float, device, args) -> dict:
+    """The exploratory cuDNN FP8 kernel's time and error at this shape, or why it could not run."""
+    if device.type != "cuda":
+        return dict(cudnn_fp8_error="CUDA only")
+    try:
+        fn = cudnn_fp8_attention(q, k, v)
+        ms = _ms(lambda: fn(q, k, v), device, args.warmup, args.iters)
+        with torch.no_grad():
+            out = fn(q, k, v)[:, : exact.shape[1]]
+        return dict(cudnn_fp8_ms=ms, cudnn_fp8_speedup=bf16_ms / ms, err_cudnn_fp8_vs_exact=_rel(out, exact))
+    except Exception as e:  # not installed, no FP8 engine for this shape, ...: recorded, the others go on
+        return dict(cudnn_fp8_error=f"{type(e).__name__}: {e}"[:500])
+
+
 def bench_kernel(name: str, heads: int, tokens: int, device: torch.device, args) -> dict:
     """bf16 SDPA (the rollout's backend) vs the INT8 kernel at one shape; errors on a query slice."""
     from diffusers.models.attention_dispatch import dispatch_attention_fn
@@ -137,6 +205,7 @@ def bench_kernel(name: str, heads: int, tokens: int, device: torch.device, args)
         err_bf16_vs_exact=_rel(bf16, exact),
         err_lowp_vs_reference=_rel(lowp, ref),
         err_reference_vs_exact=_rel(ref, exact),
+        **cudnn_fp8_row(q, k, v, exact, bf16_ms, device, args),
     )
 
 
@@ -261,6 +330,14 @@ def markdown(result: dict) -> str:
             f"{r['lowp_ms']:.2f} ({r['lowp_tflops']:.0f}) | {r['speedup']:.2f}x | {r['err_lowp_vs_exact']:.2e} | "
             f"{r['err_bf16_vs_exact']:.2e} | {r['err_lowp_vs_reference']:.2e} |"
         )
+    for r in result["kernel"]:
+        if "cudnn_fp8_ms" in r:
+            lines.append(
+                f"cuDNN FP8 SDPA (exploratory), {r['shape']}: {r['cudnn_fp8_ms']:.2f} ms, "
+                f"{r['cudnn_fp8_speedup']:.2f}x bf16, err {r['err_cudnn_fp8_vs_exact']:.2e}"
+            )
+        elif "cudnn_fp8_error" in r:
+            lines.append(f"cuDNN FP8 SDPA (exploratory), {r['shape']}: not run: {r['cudnn_fp8_error'][:120]}")
     if m["tiny"]:
         lines += [
             "",
