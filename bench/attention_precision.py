@@ -42,6 +42,7 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -256,8 +257,9 @@ def _rollout(model, linears: str, attention: str, inputs: dict, args, device, ke
     return ro, t2 - t1, t1 - t0
 
 
-def bench_rollout(model_name: str, frames: int, args, device) -> dict:
-    """Every runnable (Linears, attention) case of one model: seconds, speed-up, log-prob gap."""
+def bench_rollout(model_name: str, frames: int, args, device, case: dict, save: Callable[[], None]) -> None:
+    """Every runnable (Linears, attention) case of one model: seconds, speed-up, log-prob gap, filled
+    into ``case`` with ``save()`` after every rollout (a time limit keeps what was measured)."""
     model, spec = build_expert(model_name, device, device.type == "cuda" and not args.eager)
     kernel = None if device.type == "cuda" else _kernel(device)[0]
     t = spec["transformer"]
@@ -271,12 +273,15 @@ def bench_rollout(model_name: str, frames: int, args, device) -> dict:
         init=torch.randn(args.samples, *latent, generator=g).to(device),
     )
     flops = args.samples * args.num_steps * 2 * model_flops(t, tokens, text_tokens=TEXT_TOKENS)
-    case = dict(
-        model=model_name, frames=frames, size=[h, w], tokens=tokens, model_tflop=flops / 1e12, runs={}
-    )
-    case["kernel_impl"] = "sageattention (Triton INT8 QK, fp16 PV)" if kernel is None else _kernel(device)[1]
     runnable = [c for c in CASES if _unavailable(*c, device) is None]
-    case["unavailable"] = {f"{a}/{b}": _unavailable(a, b, device) for a, b in CASES if (a, b) not in runnable}
+    case.update(
+        size=[h, w],
+        tokens=tokens,
+        model_tflop=flops / 1e12,
+        kernel_impl="sageattention (Triton INT8 QK, fp16 PV)" if kernel is None else _kernel(device)[1],
+        unavailable={f"{a}/{b}": _unavailable(a, b, device) for a, b in CASES if (a, b) not in runnable},
+        runs={},
+    )
     last = {}
     for rep in range(args.repeats + 1):
         for linears, attention in runnable:
@@ -285,10 +290,21 @@ def bench_rollout(model_name: str, frames: int, args, device) -> dict:
             case["runs"].setdefault(key, []).append(dict(rollout_s=secs, quantize_s=quant, warmup=rep == 0))
             last[key] = ro
             print(json.dumps(dict(model=model_name, case=key, **case["runs"][key][-1])), flush=True)
+            save()
     for key, rows in case["runs"].items():
         measured = [r["rollout_s"] for r in rows if not r["warmup"]] or [rows[-1]["rollout_s"]]
         secs = sum(measured) / len(measured)
         case[key] = dict(rollout_s=secs, tflops=flops / secs / 1e12, quantize_s=rows[-1]["quantize_s"])
+    save()
+    _gaps(model, case, last, inputs, save)
+    del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _gaps(model, case: dict, last: dict, inputs: dict, save: Callable[[], None]) -> None:
+    """Each low-precision rollout rescored by the bf16 policy: the gap per SDE step, the TIS weights,
+    its speed-up and final latents against bf16/bf16's; the bf16 rollout's own rescoring (the canary)."""
     base = last.get("bf16/bf16")
     if base is not None:
         canary = rescore(model, base, inputs["pos"], inputs["neg"]) - base.log_probs.float()
@@ -305,10 +321,7 @@ def bench_rollout(model_name: str, frames: int, args, device) -> dict:
             entry["speedup"] = case["bf16/bf16"]["rollout_s"] / entry["rollout_s"]
             a, b = ro.final_latents.float(), base.final_latents.float()
             entry["final_latent_rel_l2"] = float((a - b).norm() / b.norm())
-    del model
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return case
+        save()
 
 
 def markdown(result: dict) -> str:
@@ -354,7 +367,7 @@ def markdown(result: dict) -> str:
                 f"| {c['model']} | {c['frames']} | error: {c['error'].strip().splitlines()[-1][:80]} | | | | |"
             )
             continue
-        for key in [k for k in c["runs"]]:
+        for key in [k for k in c.get("runs", {}) if k in c]:  # a case cut short has runs only
             r = c[key]
             speed = f"{r['speedup']:.2f}x" if "speedup" in r else "—"
             gap = f"{r['logp_abs_gap_mean']:.2e} ({r['logp_abs_gap_max']:.2e})" if "logp_gap" in r else "—"
@@ -362,7 +375,7 @@ def markdown(result: dict) -> str:
             lines.append(
                 f"| {c['model']} | {c['frames']} | {key} | {r['rollout_s']:.2f} ({r['tflops']:.0f}) | {speed} | {gap} | {w} |"
             )
-        for key, why in c["unavailable"].items():
+        for key, why in c.get("unavailable", {}).items():
             lines.append(f"| {c['model']} | {c['frames']} | {key} | not run: {why} | | | |")
     return "\n".join(lines) + "\n"
 
@@ -432,6 +445,10 @@ def main(argv: list[str] | None = None) -> None:
         rollout=[],
     )
     out = args.out / "attention_precision.json"
+
+    def save() -> None:
+        out.write_text(json.dumps(result, indent=2) + "\n")
+
     shapes = {**KERNEL_SHAPES, **TINY_KERNEL_SHAPES}
     try:
         for name in args.kernel_shapes:
@@ -442,14 +459,14 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps(result["kernel"][-1]), flush=True)
             out.write_text(json.dumps(result, indent=2) + "\n")
         for model_name in args.rollout_models:
+            case = dict(model=model_name, frames=args.frames)
+            result["rollout"].append(case)
             try:
-                result["rollout"].append(bench_rollout(model_name, args.frames, args, device))
+                bench_rollout(model_name, args.frames, args, device, case, save)
             except Exception:
-                result["rollout"].append(
-                    dict(model=model_name, frames=args.frames, error=traceback.format_exc())
-                )
-                print(result["rollout"][-1]["error"], flush=True)
-            out.write_text(json.dumps(result, indent=2) + "\n")
+                case["error"] = traceback.format_exc()
+                print(case["error"], flush=True)
+            save()
     finally:
         out.write_text(json.dumps(result, indent=2) + "\n")
         (args.out / "attention_precision.md").write_text(markdown(result))
