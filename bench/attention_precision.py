@@ -139,7 +139,8 @@ def cudnn_fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         pack = {tq: q8, tk: k8, tv: v8, o: out, amax_s: amaxes[0], amax_o: amaxes[1]}
         pack.update(dict(zip((scalars[n] for n in names), (dq, dk, dv, 1.0 / p_scale, p_scale, o_scale))))
         cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream().cuda_stream)
-        graph.execute(pack, workspace, handle=handle)
+        # raw pointers (the tensors live through the call): no DLPack export of float8 needed
+        graph.execute({t: x.data_ptr() for t, x in pack.items()}, workspace.data_ptr(), handle=handle)
         return (out.float() / o_scale).to(q.dtype)
 
     return attention
