@@ -165,6 +165,31 @@ def test_the_switch_is_undone_on_error_and_bf16_changes_nothing():
             pass
 
 
+def test_compiled_blocks_compile_once_for_the_rollout_and_once_for_training():
+    """The backend function is registered once and is a graph break: after the first rollout and
+    training forward, further ones compile nothing new (no guard on the registry or the kernel)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    model = _tiny()
+    for block in model.blocks:
+        block.compile(backend="eager")  # dynamo's guards and graphs, no inductor
+    x, t, ctx = _inputs()
+    graphs, outs = [], []
+    with torch.no_grad():
+        for _ in range(3):
+            with rollout_attention([model], "sage_int8", kernel=sage_int8_reference):
+                low = model(x, t, ctx, return_dict=False)[0]
+            outs.append((low, model(x, t, ctx, return_dict=False)[0]))
+            graphs.append(counters["stats"]["unique_graphs"])
+    torch._dynamo.reset()
+    assert graphs[0] > 0 and graphs[1] == graphs[2] == graphs[0]
+    assert torch.equal(outs[0][0], outs[2][0]) and torch.equal(outs[0][1], outs[2][1])
+    assert not torch.equal(outs[0][0], outs[0][1])
+    with torch.no_grad():
+        assert torch.equal(outs[0][1], _tiny()(x, t, ctx, return_dict=False)[0])  # training: eager bf16's
+
+
 def test_under_usp_ring_1_the_backend_reaches_the_local_attention():
     """USP installed (one process: ulysses and ring of size 1): the marked self-attention goes through
     ``usp_attention``, whose local attention is diffusers' dispatch with the processor's ``backend=``:
