@@ -61,6 +61,7 @@ def sequence_report(cfg, facts) -> tuple[dict, RolloutShape, list[str]]:
             "cfg_factor": cfg_factor(cfg, len(model.transformers)),
             "num_sde_steps": num_sde_steps,
             "rollout_precision": r.precision,
+            "rollout_attention_precision": r.attention_precision,
             "tis_cap": r.tis_cap,
         },
         shape,
