@@ -67,8 +67,8 @@ world-model: setup
 	$(PY) -m miles.pretrain_world $(WORLD_DIR)
 
 # The world through the LTX-Video family (a tiny LTX VAE + a 4-block LTX prior, CPU) into
-# WORLD_LTX_DIR, its report beside it (pretrain_report_ltx.json); the committed copy is
-# miles/world/pipeline_ltx (configs/world_ltx_cpu.yaml).
+# WORLD_LTX_DIR, its report beside it (pretrain_report_ltx.json). Nothing is committed yet: on the
+# CPU budget tried the VAE did not carry the world (docs/learning.md, "The LTX world").
 WORLD_LTX_DIR ?= .cache/world-ltx
 world-model-ltx: setup
 	$(PY) -m miles.pretrain_world_ltx $(WORLD_LTX_DIR)

@@ -404,11 +404,19 @@ def pretrain(out_dir: Path, cfg: PretrainLTXConfig, vae_folder: Path | None = No
     return report
 
 
-def run_vae_check(out: Path, cfg: PretrainLTXConfig, save_vae: Path | None) -> dict:
-    """Train the VAE at ``cfg.shape`` (within ``cfg.vae_time_limit_s``), check it, add it to ``out``."""
+def run_vae_check(
+    out: Path, cfg: PretrainLTXConfig, save_vae: Path | None, vae_folder: Path | None = None
+) -> dict:
+    """Train the VAE at ``cfg.shape`` (within ``cfg.vae_time_limit_s``), or load ``vae_folder``, check
+    it, add the result to ``out``."""
+    from diffusers import AutoencoderKLLTXVideo
+
     torch.set_num_threads(cfg.num_threads)
     start = time.perf_counter()
-    vae, trained = train_vae(cfg, start, save_to=save_vae)
+    if vae_folder is None:
+        vae, trained = train_vae(cfg, start, save_to=save_vae)
+    else:
+        vae, trained = AutoencoderKLLTXVideo.from_pretrained(vae_folder).eval(), {"from": str(vae_folder)}
     result = vae_check(vae, world_shape(cfg))
     result.update(
         training=trained,
@@ -442,7 +450,9 @@ def main(argv: list[str]) -> None:
     p.add_argument("--fg-weight", type=float, default=PretrainLTXConfig.vae_foreground_weight)
     p.add_argument("--time-limit", type=float, default=0.0, help="VAE wall-time cap in seconds")
     p.add_argument("--save-vae", type=Path, help="(--vae-check) also save the VAE folder here")
-    p.add_argument("--vae", type=Path, help="reuse this trained VAE folder instead of training one")
+    p.add_argument(
+        "--vae", type=Path, help="a trained VAE folder to use (check it, or train the prior on it)"
+    )
     p.add_argument("--dit-steps", type=int, default=PretrainLTXConfig.dit_steps)
     p.add_argument("--threads", type=int, default=PretrainLTXConfig.num_threads)
     args = p.parse_args(argv)
@@ -456,7 +466,7 @@ def main(argv: list[str]) -> None:
         num_threads=args.threads,
     )
     if args.vae_check is not None:
-        print(json.dumps(run_vae_check(args.vae_check, cfg, args.save_vae), indent=1))
+        print(json.dumps(run_vae_check(args.vae_check, cfg, args.save_vae, args.vae), indent=1))
         return
     if args.out_dir is None:
         raise SystemExit("usage: python -m miles.pretrain_world_ltx OUT_DIR  (e.g. miles/world/pipeline_ltx)")

@@ -74,3 +74,31 @@ def test_latent_buffers_normalise_the_dataset():
     z = (latents - vae.latents_mean.view(1, -1, 1, 1, 1)) / vae.latents_std.view(1, -1, 1, 1, 1)
     assert z.mean(dim=(0, 2, 3, 4)).abs().max() < 1e-5
     assert (z.std(dim=(0, 2, 3, 4)) - 1).abs().max() < 1e-5
+
+
+def test_pretraining_writes_an_ltx_pipeline_the_family_loads(tmp_path):
+    """The whole pretraining at a few steps: an ``LTXPipeline`` folder that the family seam loads,
+    its VAE's latent normalisation the encoded dataset's, evaluated at LTX's shift for 8 tokens."""
+    from diffusers import AutoencoderKLLTXVideo
+
+    from miles.models.family import family_of
+    from miles.pretrain_world_ltx import PretrainLTXConfig, flow_shift, pretrain
+
+    cfg = PretrainLTXConfig(
+        vae_steps=2,
+        vae_crop_steps=1,
+        dit_steps=2,
+        videos_per_prompt=1,
+        vae_pool_per_prompt=1,
+        eval_seeds_heldout=1,
+        eval_seeds_train=1,
+        num_threads=1,
+    )
+    report = pretrain(tmp_path / "pipeline_ltx", cfg)
+    assert family_of(tmp_path / "pipeline_ltx").name == "ltx"
+    assert report["vae_check"]["latent"] == [128, 2, 2, 2]
+    assert report["heldout"]["shift"] == pytest.approx(flow_shift(8), abs=1e-4)
+    assert report["heldout"]["num_samples"] == 8 and report["train"]["num_samples"] == 24
+    vae = AutoencoderKLLTXVideo.from_pretrained(tmp_path / "pipeline_ltx" / "vae", torch_dtype=torch.float32)
+    assert vae.latents_mean.abs().max() > 1e-3  # the defaults are 0 and 1
+    assert (vae.latents_std - 1).abs().max() > 1e-3
