@@ -16,8 +16,9 @@ functions this module imports) through LTX-Video's parts:
    ``vae_loss`` (posterior noise, kl 1e-4) three short 64 x 64 runs (ball weight 5x and 21x, and the
    log-variance started at -8) decoded every video to the same grey frame: the decoder ignored the
    latent and the posterior collapsed (the kl term, however small, moves the log-variance at
-   AdamW's pace once the latent carries nothing). Without the noise it still does on the CPU
-   budget tried (docs/learning.md, "The LTX world"). The encoded
+   AdamW's pace once the latent carries nothing). Without the noise it still does at 32x on the
+   CPU budget tried, and carries the world at 8x (``--scaling 1000``; docs/learning.md, "The LTX
+   world"). The encoded
    dataset's per-channel mean/std go into the VAE's ``latents_mean``/``latents_std`` buffers, which
    ``LTXPipeline`` (and :class:`miles.models.ltx.LTXModel`) un-normalise with.
 2. **VAE check** (``--vae-check``): can the 32x compression carry the world? Held-out renders
