@@ -16,6 +16,10 @@ any difference is memory read after it was freed or overwritten). ``--variant``:
 - ``math``: the same ring with its per-step kernel replaced by a plain-torch attention (no fused
   CPU kernel), to tell a kernel's out-of-bounds write from a collective's.
 
+``--with-others`` adds, around each iteration, what else a u2r2 training step runs on other groups:
+an FSDP-like all-gather and reduce-scatter on all 4 ranks and the Ulysses all-to-alls on {0, 1} and
+{2, 3} (their results checked too).
+
 Rank 0 writes ``--out`` (JSON): iterations, wrong results (summed over ranks), seconds, the heap
 checks of the environment. A heap-check abort ends the launch instead (its exit code).
 """
@@ -59,6 +63,26 @@ def _math_kernel():
     return ring.RingKernel("math", forward, backward)
 
 
+def _others(it: int, ulysses: dist.ProcessGroup) -> bool:
+    """An FSDP-like all-gather and reduce-scatter on every rank and a Ulysses all-to-all; True when right."""
+    rank = dist.get_rank()
+    n = 37 + it % 29
+    shard = torch.full((n,), float(rank + it))
+    full = torch.empty(4 * n)
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(full, shard)  # FSDP2's
+    ok = torch.equal(full, torch.cat([torch.full((n,), float(r + it)) for r in range(4)]))
+    reduced = torch.empty(n)
+    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(reduced, torch.ones(4 * n))
+    ok &= torch.equal(reduced, torch.full((n,), 4.0))
+    sent = torch.arange(2 * n, dtype=torch.float32) + 1000 * rank
+    got = torch.empty(2 * n)
+    dist.all_to_all_single(got, sent, group=ulysses)
+    me = dist.get_rank(ulysses)
+    peers = dist.get_process_group_ranks(ulysses)
+    want = torch.cat([torch.arange(me * n, (me + 1) * n, dtype=torch.float32) + 1000 * r for r in peers])
+    return bool(ok and torch.equal(got, want))
+
+
 def main() -> None:
     from miles.sequence_parallel import ring
 
@@ -67,6 +91,7 @@ def main() -> None:
     p.add_argument("--iterations", type=int, default=5000)
     p.add_argument("--variant", choices=("as_is", "math"), default="as_is")
     p.add_argument("--shape", default="2,16,2,16", help="B,n,H,D of each rank's queries (ring rank's tokens)")
+    p.add_argument("--with-others", action="store_true", help="FSDP-like and Ulysses collectives around each")
     args = p.parse_args()
     faulthandler.enable(all_threads=True)
     dist.init_process_group("gloo")
@@ -75,6 +100,7 @@ def main() -> None:
         raise SystemExit("run with 4 processes (the ring groups of u2r2)")
     rings = [dist.new_group([0, 2]), dist.new_group([1, 3])]
     group = rings[rank % 2]
+    ulysses = [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2]
     if args.variant == "math":
         kernel = _math_kernel()
         ring.select_ring_kernel = lambda backend, device: kernel
@@ -88,7 +114,9 @@ def main() -> None:
     reference = None
     wrong = 0
     t0 = time.perf_counter()
-    for _ in range(args.iterations):
+    for it in range(args.iterations):
+        if args.with_others:
+            wrong += not _others(it, ulysses)
         qi, ki, vi = (t.clone().requires_grad_(True) for t in (q, k, v))
         out = ring.ring_attention(qi, ki, vi, group)
         out.backward(grad)
@@ -108,6 +136,7 @@ def main() -> None:
         }
         result = {
             "variant": args.variant,
+            "with_others": args.with_others,
             "shape_BnHD": [b, n, h, d],
             "iterations": args.iterations,
             "wrong_results": int(total),
