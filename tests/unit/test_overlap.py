@@ -120,6 +120,7 @@ def test_collector_decodes_each_micro_batch_right_after_its_last_step(monkeypatc
         algorithm=SimpleNamespace(rollout_transformers=lambda policy: ["high", "low"]),
         policy=None,
         model=SimpleNamespace(routing=None),
+        schedule=3.0,  # Collector.schedule: the family's (a Wan shift here)
         progress=False,
         rank=0,
         rollout_index=0,
