@@ -189,9 +189,13 @@ def test_a_hand_set_shift_is_refused_and_the_dry_run_prints_the_schedule(tmp_pat
     monkeypatch.chdir(Path(__file__).resolve().parents[2])
 
     def cfg(*flags):
-        return parse_args(["--config", "configs/tiny_ltx_cpu.yaml", "--run.output-dir", str(tmp_path), *flags])[0]
+        return parse_args(
+            ["--config", "configs/tiny_ltx_cpu.yaml", "--run.output-dir", str(tmp_path), *flags]
+        )[0]
 
-    with pytest.raises(PlanError, match="rollout.shift 1.81: an LTX-Video folder sets its own noise schedule"):
+    with pytest.raises(
+        PlanError, match="rollout.shift 1.81: an LTX-Video folder sets its own noise schedule"
+    ):
         dry_run(cfg("--rollout.shift", "1.81"), world_size=2, device_type="cpu", verbose=False)
     report = dry_run(cfg(), world_size=2, device_type="cpu", verbose=False)
     text = format_report(report)
