@@ -55,7 +55,7 @@ class SFTConfig:
     """How ``algorithm.name sft`` draws each sample's noise level before the shift: ``uniform`` u ~ U(0, 1),
     or ``logit_normal`` u = sigmoid(logit_mean + logit_std * N(0, 1)) (SD3); then sigma = shift*u / (1 + (shift - 1)*u)."""
     shift: float | None = None
-    """The time shift applied to u (Wan: 3.0 at 480p, 5.0 at 720p); None: rollout.shift; 1: none."""
+    """The time shift applied to u (Wan: 3.0 at 480p, 5.0 at 720p); None: the model family's (Wan: rollout.shift); 1: none."""
     logit_mean: float = 0.0
     """``logit_normal``: the mean of the normal before the sigmoid."""
     logit_std: float = 1.0

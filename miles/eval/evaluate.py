@@ -9,7 +9,7 @@ so every layout evaluates the same micro-batches — dp4 and dp2 × sp2 give the
 
 Two samplers:
 
-- ``rollout``: the rollout's own uniform shifted grid (``rollout.num_steps``, ``rollout.shift``)
+- ``rollout``: the rollout's own schedule (``rollout.num_steps``, the family's ``rollout_schedule``: ``rollout.shift`` for Wan)
   with Euler (ODE) steps and the rollout's CFG — what training optimises, without its noise.
 - ``pipeline``: the checkpoint's own scheduler, stepped as its diffusers pipeline steps it (real
   Wan folders ship UniPC with a flow shift) — what users see at inference.
