@@ -15,25 +15,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _rows(path: Path) -> list[dict]:
-    return (
-        [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
-    )
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from world_cpu_runs import read_jsonl, run_logged, world_command  # noqa: E402
 
 
 def summarize(run_dir: Path) -> dict:
     """The run's clip range, clipped fraction per step, training reward and held-out evaluations."""
-    metrics = _rows(run_dir / "metrics.jsonl")
-    evals = _rows(run_dir / "eval.jsonl")
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    evals = read_jsonl(run_dir / "eval.jsonl")
     moved = [r for r in metrics if r["step"] % 2 == 0 and "train/clipfrac" in r]  # each rollout's 2nd step
     rewards = [r["reward/mean"] for r in metrics if "reward/mean" in r]
     return {
@@ -61,24 +53,13 @@ def main() -> int:
     results = json.loads(saved.read_text())["runs"] if saved.is_file() else {}  # other runs of OUT kept
     for i, clip in enumerate(args.runs):
         name = f"clip_{clip}"
-        cmd = [sys.executable, str(ROOT / "train_grpo.py"), "--config", str(ROOT / "configs/world_cpu.yaml")]
-        cmd += ["--deterministic-mode", "--run.wandb-mode", "disabled", "--run.no-progress"]
-        cmd += [
-            "--run.output-dir",
-            str(args.out),
-            "--run.name",
-            name,
-            "--train.no-resume",
-            "--train.overwrite",
-        ]
+        cmd = world_command("configs/world_cpu.yaml", args.out, name)
         cmd += ["--train.num-rollouts", str(args.num_rollouts), "--data.prompts-per-rank", "2"]
         cmd += ["--eval.num-seeds", "1", "--train.no-export", "--train.checkpoint-every", "0"]
         cmd += ["--grpo.clip-range", clip, "--grpo.target-clipfrac", str(args.target), *extra]
-        env = {**os.environ, "MASTER_PORT": str(29700 + i), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-        t0 = time.time()
-        with open(args.out / f"{name}.log", "w") as log:
-            code = subprocess.call(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-        results[clip] = {"exit": code, "wall_s": time.time() - t0, **summarize(args.out / name)}
+        out, wall_s = run_logged(cmd, 29700 + i, args.out / f"{name}.log")
+        code = out.returncode
+        results[clip] = {"exit": code, "wall_s": wall_s, **summarize(args.out / name)}
         print(f"{clip}: exit {code}, {results[clip]['wall_s']:.0f} s", flush=True)
     report = {
         "target_clipfrac": args.target,

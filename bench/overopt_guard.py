@@ -15,19 +15,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _rows(path: Path) -> list[dict]:
-    return (
-        [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
-    )
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from world_cpu_runs import read_jsonl, run_logged, world_command  # noqa: E402
 
 
 def main() -> int:
@@ -45,40 +37,23 @@ def main() -> int:
     runs = json.loads(saved.read_text())["runs"] if saved.is_file() else {}
     for i, action in enumerate(args.actions):
         name = f"guard_{action}"
-        cmd = [
-            sys.executable,
-            str(ROOT / "train_grpo.py"),
-            "--config",
-            str(ROOT / args.config),
-        ]
-        cmd += ["--deterministic-mode", "--run.wandb-mode", "disabled", "--run.no-progress"]
-        cmd += [
-            "--run.output-dir",
-            str(args.out),
-            "--run.name",
-            name,
-            "--train.no-resume",
-            "--train.overwrite",
-        ]
+        cmd = world_command(args.config, args.out, name)
         cmd += ["--algorithm.name", "diffusion_nft", "--train.learning-rate", "3e-4"]
         cmd += ["--train.num-rollouts", str(args.num_rollouts), "--eval.every", "2", "--eval.num-seeds", "1"]
         cmd += ["--train.checkpoint-every", "2", "--train.keep-checkpoints", "0", "--train.no-export"]
         cmd += ["--train.guard", action, *extra]
-        env = {**os.environ, "MASTER_PORT": str(29750 + i), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-        t0 = time.time()
-        out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-        (args.out / f"{name}.log").write_text(out.stdout + out.stderr)
+        out, wall_s = run_logged(cmd, 29750 + i, args.out / f"{name}.log")
         lines = out.stdout.splitlines()
         run_dir = args.out / name
         runs[action] = {
             "exit": out.returncode,
-            "wall_s": time.time() - t0,
+            "wall_s": wall_s,
             "training_reward": [
-                r["reward/mean"] for r in _rows(run_dir / "metrics.jsonl") if "reward/mean" in r
+                r["reward/mean"] for r in read_jsonl(run_dir / "metrics.jsonl") if "reward/mean" in r
             ],
             "evaluations": [
                 {"step": r["step"], **{k[5:-5]: v for k, v in r.items() if k.endswith("/mean")}}
-                for r in _rows(run_dir / "eval.jsonl")
+                for r in read_jsonl(run_dir / "eval.jsonl")
             ],
             "guard_lines": [
                 line for line in lines if "over-optimisation guard" in line and "finished" not in line

@@ -9,7 +9,9 @@ flow_grpo's code stays in its checkout (``--flow-grpo``, as ``bench/peer_learnin
 its ``wan_pipeline_with_logprob`` sampler, ``compute_log_prob`` read from ``scripts/train_wan2_1.py``,
 the clipped loss of its training loop as ``peer_learning.train_rollout`` writes it out). Its step is
 set up as its script sets it up: diffusers eager (no compile), the transformer in fp32 under bf16
-autocast, ``enable_gradient_checkpointing()``, the VAE in fp32, AdamW; CFG ``--guidance`` with its
+autocast (its script's full fine-tune; its LoRA path runs fp32 without autocast, which this bench does
+not copy: both settings here run the faster bf16 autocast, so the ratio is the conservative one),
+``enable_gradient_checkpointing()``, the VAE in fp32, AdamW; no KL term; CFG ``--guidance`` with its
 ``train.cfg``; every denoising step is its SDE step and ``⌊timestep_fraction · T⌋`` of them are
 trained — set to ``--train-steps`` of the ``--num-steps`` (miles' SDE window). The model is the real
 config with random weights (``bench/real_configs.py``), random text embeddings of ``--text-tokens``
@@ -27,7 +29,12 @@ rank/alpha/targets) rather than relying on equal defaults; its JSON records them
 frame count at ``--shape``'s size, at the first ``--train`` setting, both trainers each in a process
 of its own capped alike at 80 and at 141 GiB (``MILES_BENCH_MEMORY_CAP_GIB`` →
 ``torch.cuda.set_per_process_memory_fraction`` in each process, ``step_bench.cap_process_memory``;
-miles also gets the cap as its activation budget): the largest that completes one step. Writes
+miles also gets the cap as its activation budget, at most the card's memory): the largest that
+completes one step. Frame counts are 4k+1, run ascending; a trainer that failed is not tried at more,
+and at 141 GiB each starts from its largest fit at 80 (the smaller counts recorded as implied); every
+case's peak and step seconds are in ``fit.cases`` and the Markdown's fit table. ``--fit-only`` runs
+the search alone; ``--fit-resume`` an earlier ``peer_step.json`` keeps its cases (a search cut by a
+device command's time limit continues where it stopped). Writes
 ``peer_step.json`` (after every case) and ``peer_step.md`` (drawn from that JSON alone) to ``--out``.
 """
 
@@ -116,14 +123,27 @@ def sample(peer, pipe, embeds, neg, args) -> dict:
 
 
 def _train_args(args) -> argparse.Namespace:
-    """The fields ``peer_learning.train_rollout`` reads: all samples in one optimizer step."""
+    """The fields ``peer_learning.train_rollout`` reads: all samples in one optimizer step, no KL
+    term (the step measured since issue 35), and bf16 autocast on both settings (``lora_rank`` 0 is
+    how ``peer_learning._autocast`` says so: flow_grpo's own script runs its LoRA path in fp32
+    without autocast, scripts/train_wan2_1.py at 9745241; the side by side keeps the peer in bf16,
+    the faster of the two, as it samples)."""
     return argparse.Namespace(
         num_steps=args.num_steps,
         timestep_fraction=(args.train_steps + 0.5) / args.num_steps,  # floor() gives train_steps
         batches_per_rollout=1,
         micro_batch=args.micro_batch,
         max_grad_norm=1.0,
+        beta=0.0,
+        lora_rank=0,
     )
+
+
+def make_optimizer(params) -> torch.optim.Optimizer:
+    """flow_grpo's AdamW, with the step count ``peer_learning.train_rollout`` keeps on it (its EMA's)."""
+    optimizer = torch.optim.AdamW(params, lr=1e-5, weight_decay=1e-4)
+    optimizer.state_steps = 0
+    return optimizer
 
 
 def _phase(device: torch.device, fn):
@@ -147,7 +167,7 @@ def peer_steps(args) -> dict:
     pipe = build_pipeline(args, device)
     text_dim = pipe.transformer.config.text_dim
     trainable = [p for p in pipe.transformer.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=1e-5, weight_decay=1e-4)
+    optimizer = make_optimizer(trainable)
     cfg = peer_config(args.guidance, argparse.Namespace(clip_range=1e-4))
     reward = JpegIncompressibility()
     gen = torch.Generator().manual_seed(1)
@@ -238,44 +258,90 @@ def ours(
     return json.loads((out / "jpeg.json").read_text()) if rc == 0 else None
 
 
+def card_gib() -> float | None:
+    """This GPU's memory, GiB (None without CUDA): a cap above it is the whole card."""
+    return torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else None
+
+
+def fit_peer(args, setting: str, shape: list[int], cap: float, case: Path) -> dict:
+    """One flow_grpo fit case: ``--one-peer`` in its own process capped at ``cap``; its record."""
+    cmd = [sys.executable, __file__, *args.argv, "--train", setting, "--one-peer", *map(str, shape)]
+    cmd += ["--one-peer-json", str(case / "flow_grpo.json")]
+    env = {**os.environ, "MILES_BENCH_MEMORY_CAP_GIB": f"{cap:g}", "PYTHONUNBUFFERED": "1"}
+    rc = subprocess.run(cmd, env=env).returncode
+    side = json.loads((case / "flow_grpo.json").read_text()) if rc == 0 else None
+    step = side["steps"][-1] if side else {}
+    return {"ok": rc == 0, "rc": rc, "peak_gib": step.get("peak_gib"), "step_s": _step_s(step)}
+
+
+def _step_s(step: dict) -> float | None:
+    return sum(step[k] for k in ("rollout_s", "reward_s", "train_s")) if step else None
+
+
+def fit_ours(args, setting: str, shape: list[int], cap: float, case: Path) -> dict:
+    """One miles fit case: ``bench/step_bench.py`` capped at ``cap`` (its activation budget: the cap,
+    at most the card), completed within the cap."""
+    budget = min(cap, card_gib() or cap)
+    r = ours(args, case, shape, budget, setting == "full", cap)
+    peak = r["summary"]["peak_gib"] if r else None
+    step = r["summary"]["step"]["wall_s"] if r else None
+    return {
+        "ok": r is not None and (peak or 0) <= cap,
+        "peak_gib": peak,
+        "step_s": step,
+        "budget_gib": budget,
+    }
+
+
+def earlier_cases(path: Path | None, setting: str) -> dict:
+    """``--fit-resume``: the run cases of an earlier ``peer_step.json`` at the same ``--train`` setting,
+    by (cap, frames, trainer)."""
+    if path is None or not path.is_file():
+        return {}
+    fit_ = json.loads(path.read_text()).get("fit", {})
+    if fit_.get("train") != setting:
+        return {}
+    keys = ("cap_gib", "frames", "trainer")
+    return {
+        tuple(c[k] for k in keys): {k: v for k, v in c.items() if k not in keys}
+        for c in fit_.get("cases", [])
+        if not c.get("implied_by_smaller_cap")
+    }
+
+
 def fit(args, results: dict) -> None:
     """The largest frame count of ``--fit`` each trainer completes a step at, per memory cap (False:
     not even the first), at the first of ``--train``'s settings (LoRA where it is run). Each case is
-    a process of its own, capped alike on both sides (``MILES_BENCH_MEMORY_CAP_GIB``)."""
+    a process of its own, capped alike on both sides (``MILES_BENCH_MEMORY_CAP_GIB``); every case's
+    peak and step time go to ``fit.cases``. Frame counts run ascending; a trainer that failed is not
+    tried at more frames, and at a larger cap it starts from its largest fit at the smaller one (what
+    fits in 80 GiB fits in 141: those counts are recorded as implied, not run again)."""
     setting = settings(args)[0]
-    results["fit"] = {"train": setting}
+    results["fit"] = {"train": setting, "card_gib": card_gib(), "cases": []}
+    done = earlier_cases(args.fit_resume, setting)
+    runners = {"flow_grpo": fit_peer, "miles": fit_ours}
+    fitted = {name: False for name in runners}  # the largest fit at the previous (smaller) cap
     for cap in CAPS_GIB:
-        row = results["fit"][f"{cap:g}"] = {"flow_grpo": False, "miles": False}
+        row = results["fit"][f"{cap:g}"] = dict(fitted)
         failed: set[str] = set()
-        for frames in args.fit:  # ascending: a trainer that failed is not tried at more frames
+        for frames in args.fit:
             shape = [frames, *args.shape[1:]]
-            ok_peer = ok_ours = False
-            if "flow_grpo" not in failed:
-                cmd = [
-                    sys.executable,
-                    __file__,
-                    *sys.argv[1:],
-                    "--train",
-                    setting,
-                    "--one-peer",
-                    *map(str, shape),
-                ]
-                env = {**os.environ, "MILES_BENCH_MEMORY_CAP_GIB": f"{cap:g}"}
-                ok_peer = subprocess.run(cmd, env=env).returncode == 0
-                row["flow_grpo"] = frames if ok_peer else row["flow_grpo"]
-                failed |= set() if ok_peer else {"flow_grpo"}
-            if "miles" not in failed:
-                r = ours(
-                    args, args.out / f"fit_{setting}_{cap:g}_{frames}", shape, cap, setting == "full", cap
-                )
-                ok_ours = r is not None and (r["summary"]["peak_gib"] or 0) <= cap
-                row["miles"] = frames if ok_ours else row["miles"]
-                failed |= set() if ok_ours else {"miles"}
-            print(
-                f"[peer-step] fit {setting} {cap:g} GiB, {frames} frames: flow_grpo {ok_peer}, miles {ok_ours}",
-                flush=True,
-            )
-            (args.out / "peer_step.json").write_text(json.dumps(results, indent=1))
+            for name, run in runners.items():
+                if name in failed:
+                    continue
+                case = {"cap_gib": cap, "frames": frames, "trainer": name}
+                if row[name] and frames <= row[name]:
+                    results["fit"]["cases"].append({**case, "ok": True, "implied_by_smaller_cap": True})
+                    continue
+                out = args.out / f"fit_{setting}_{cap:g}_{frames}"
+                out.mkdir(parents=True, exist_ok=True)
+                rec = done.get((cap, frames, name)) or run(args, setting, shape, cap, out)
+                results["fit"]["cases"].append({**case, **rec})
+                row[name] = frames if rec["ok"] else row[name]
+                failed |= set() if rec["ok"] else {name}
+                print(f"[peer-step] fit {setting} {cap:g} GiB, {frames} frames: {name} {rec}", flush=True)
+                (args.out / "peer_step.json").write_text(json.dumps(results, indent=1))
+        fitted = dict(row)
 
 
 def settings(args) -> list[str]:
@@ -292,7 +358,7 @@ def ratio(side: dict) -> float | None:
 def markdown(results: dict) -> str:
     a = results["args"]
     lines = [
-        f"{a['model']}, {a['shape'][0]}x{a['shape'][1]}x{a['shape'][2]} ({results['flops']['tokens']} tokens), "
+        f"{a['model']}, {a['shape'][0]}x{a['shape'][1]}x{a['shape'][2]} ({results.get('flops', {}).get('tokens', '?')} tokens), "
         f"{a['samples']} samples, {a['num_steps']} steps, {a['train_steps']} trained, CFG {a['guidance']:g}, "
         f"shift {a['shift']:g}, {a['text_tokens']} text tokens, micro-batch {a['micro_batch']}, on {results['device']}",
         "",
@@ -323,11 +389,26 @@ def markdown(results: dict) -> str:
                 f"{setting}: miles' step is {r:.2f}x flow_grpo's speed (the same setting on both sides)."
             )
     fits = results.get("fit", {})
-    for cap, row in fits.items():
-        if cap != "train":
+    for cap in CAPS_GIB:
+        if (row := fits.get(f"{cap:g}")) is not None:
             lines.append(
-                f"Largest frame count in {cap} GiB ({fits['train']}): flow_grpo {row['flow_grpo']}, miles {row['miles']}."
+                f"Largest frame count in {cap:g} GiB ({fits['train']}): flow_grpo {row['flow_grpo']}, miles {row['miles']}."
             )
+    if fits.get("cases"):
+        lines += [
+            "",
+            "| cap GiB | frames | trainer | fits | peak GiB | step s |",
+            "| ---: | ---: | --- | --- | ---: | ---: |",
+        ]
+        for c in fits["cases"]:
+            fits_ = (
+                "yes (fits at the smaller cap)"
+                if c.get("implied_by_smaller_cap")
+                else ("yes" if c["ok"] else "no")
+            )
+            peak = "—" if c.get("peak_gib") is None else f"{c['peak_gib']:.1f}"
+            step = "—" if c.get("step_s") is None else f"{c['step_s']:.1f}"
+            lines.append(f"| {c['cap_gib']:g} | {c['frames']} | {c['trainer']} | {fits_} | {peak} | {step} |")
     return "\n".join(lines) + "\n"
 
 
@@ -355,10 +436,25 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--no-ours", action="store_true", help="flow_grpo's step alone")
     ap.add_argument("--fit", type=int, nargs="*", default=[], help="frame counts to try per memory cap")
+    ap.add_argument("--fit-only", action="store_true", help="the --fit search alone (no side by side)")
+    ap.add_argument(
+        "--fit-resume",
+        type=Path,
+        default=None,
+        help="a peer_step.json of an earlier --fit run (cut by a time limit): its cases are kept, not run again",
+    )
     ap.add_argument("--one-peer", type=int, nargs=3, default=None, help=argparse.SUPPRESS)  # a --fit case
+    ap.add_argument("--one-peer-json", type=Path, default=None, help=argparse.SUPPRESS)  # its record
     args = ap.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # a --fit case's process gets them again
     if args.train_steps > args.num_steps:
         raise SystemExit(f"--train-steps {args.train_steps} exceeds --num-steps {args.num_steps}")
+    if args.fit_only and not args.fit:
+        raise SystemExit("--fit-only needs --fit FRAMES...")
+    bad = [f for f in args.fit if f < 1 or (f - 1) % 4]
+    if bad:
+        raise SystemExit(f"--fit {' '.join(map(str, bad))}: frame counts must be 4k+1 (81, 121, 161, ...)")
+    args.fit = sorted(set(args.fit))
     return args
 
 
@@ -367,15 +463,21 @@ def main() -> None:
     cap_process_memory()  # a --fit case: this process capped as miles' is (bench/step_bench.py)
     if args.one_peer:
         args.shape, args.steps, args.full = args.one_peer, 1, args.train == "full"
-        peer_steps(args)
+        record = peer_steps(args)
+        if args.one_peer_json:
+            args.one_peer_json.write_text(json.dumps({"shape": args.shape, **record}, indent=1))
         return
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     results = {
-        "args": {k: v for k, v in vars(args).items() if k not in ("flow_grpo", "out")},
+        "args": {
+            k: v
+            for k, v in vars(args).items()
+            if k not in ("flow_grpo", "out", "argv", "one_peer_json", "fit_resume")
+        },
         "device": device,
     }
-    for setting in settings(args):  # LoRA vs LoRA, full vs full
+    for setting in [] if args.fit_only else settings(args):  # LoRA vs LoRA, full vs full
         args.full = setting == "full"
         peer = peer_steps(args)
         results["flops"] = step_flops(args, peer["tokens"])

@@ -29,6 +29,14 @@ micro-batches of later optimizer steps, if any). ``--guidance``, ``--shift``, ``
 (``bench/peer_step.py`` sets each on both sides); ``MILES_BENCH_MEMORY_CAP_GIB`` caps the measuring
 process's CUDA memory (``torch.cuda.set_per_process_memory_fraction``, as the peer's side is capped).
 The JSON records every one of these settings and the trainable parameter count.
+
+The training attention-backend sweep (issue 43): ``--attention-backend`` sets
+``parallel.fsdp_attention_backend`` (one diffusers backend for rollout and training alike) and
+``--checkpointing`` ``model.activation_checkpointing``; the JSON records the backend the trainer ran
+(``attention_backend``: the given one, else the trainer's default for the device) and the compiled
+canary's contract (``bench/canary_compile.py``): ``canary_per_rollout``, the trainer's
+``train/log_prob_mean_abs_diff`` of each rollout's first optimizer step read from its
+``metrics.jsonl``, and ``canary_exact`` (every one exactly 0: log-probs recomputed as rolled out).
 """
 
 from __future__ import annotations
@@ -144,6 +152,7 @@ def build_config(args, reward: str, model_path: Path, clip_path: Path | None):
         "model.vae_dtype": args.vae_dtype,
         "parallel.deterministic_mode": args.deterministic_mode,
         **shared_fields(args),
+        **attention_fields(args),
     }
     if args.model == "tiny":  # the tiny model's text encoder is not UMT5-XXL: shorter prompts
         fields.update({"model.dtype": "float32", "model.compile": "off"})
@@ -164,6 +173,50 @@ def shared_fields(args) -> dict:
         "model.lora_target_modules": args.lora_targets,
     }
     return {k: v for k, v in given.items() if v is not None}
+
+
+def attention_fields(args) -> dict:
+    """``--attention-backend`` and ``--checkpointing`` (the training backend sweep, issue 43): given
+    ones replace the recipe's (``parallel.fsdp_attention_backend``: rollout and training alike;
+    ``model.activation_checkpointing``), absent ones keep it."""
+    given = {
+        "parallel.fsdp_attention_backend": getattr(args, "attention_backend", None),
+        "model.activation_checkpointing": getattr(args, "checkpointing", None),
+    }
+    return {k: v for k, v in given.items() if v is not None}
+
+
+def resolved_backend(cfg, device_type: str) -> str | None:
+    """The attention backend the trainer runs with: the config's, else its default for the device."""
+    import torch
+
+    from miles.sequence_parallel.checks import default_attention_backend
+
+    if cfg.parallel.fsdp_attention_backend:
+        return cfg.parallel.fsdp_attention_backend
+    device = torch.device(device_type)
+    return default_attention_backend(device, cfg.model.dtype, cfg.parallel.deterministic_mode)
+
+
+def read_canary(run_dir: Path) -> list[float]:
+    """The trainer's canary per rollout (``train/log_prob_mean_abs_diff``, the first optimizer step of
+    each: training's recomputed log-probs minus the rollout's, same weights), from ``metrics.jsonl``."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    key = "train/log_prob_mean_abs_diff"
+    return [float(r[key]) for r in rows if key in r]
+
+
+def canary_record(values: list[float]) -> dict:
+    """The compiled canary's contract (``bench/canary_compile.py``): log-probs recomputed as rolled
+    out, i.e. every rollout's value exactly 0; else the largest gap, stated."""
+    return {
+        "canary_per_rollout": values,
+        "canary_exact": bool(values) and all(v == 0.0 for v in values),
+        "canary_max": max(values) if values else None,
+    }
 
 
 def cap_process_memory() -> float | None:
@@ -259,7 +312,9 @@ def _keep_phases_after_each_step(trainer_cls, probes, path: Path) -> None:
     trainer_cls.train_on = train_on
 
 
-def run_one(args, reward: str) -> dict:
+def run_one(args, reward: str, around=None) -> dict:
+    """One reward's step in this process; ``around(Trainer)``, if given, wraps the trainer's phase
+    methods further (around the probes)."""
     import torch
 
     import miles.train.trainer as trainer_mod
@@ -283,6 +338,8 @@ def run_one(args, reward: str) -> dict:
     Trainer.save = lambda self: None  # the step is measured, not the checkpoint
     with probes.phase("init"):
         trainer = Trainer(cfg)
+    if around is not None:  # bench/profile_step.py's profiler ranges, inside the probes
+        around(Trainer)
     trainer.train()
     trainable = sum(p.numel() for p in trainer.experts.parameters() if p.requires_grad)
     trainer.close()
@@ -321,12 +378,22 @@ def run_one(args, reward: str) -> dict:
         "memory_cap_gib": args.memory_cap_gib,
         "vae_dtype": cfg.model.vae_dtype,
         "deterministic_mode": cfg.parallel.deterministic_mode,
+        "attention_backend": resolved_backend(cfg, device.type),
+        "attention_backend_requested": cfg.parallel.fsdp_attention_backend,
+        "activation_checkpointing": cfg.model.activation_checkpointing,
+        **canary_record(read_canary(Path(cfg.run.output_dir) / cfg.run.name)),
         "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "flops": flops,
         "phases": probes.phases,
         "summary": summarize(per_rollout(probes.phases), flops, args.budget_gib),
     }
+
+
+def _canary_text(r: dict) -> str:
+    if not r.get("canary_per_rollout"):
+        return "not logged"
+    return "0 (log-probs recomputed as rolled out)" if r["canary_exact"] else f"max {r['canary_max']:.2e}"
 
 
 def markdown(results: list[dict]) -> str:
@@ -349,7 +416,9 @@ def markdown(results: list[dict]) -> str:
         f"{first['num_steps']} steps, {first['num_sde_steps']} SDE steps, "
         f"{first.get('rollout_precision', 'bf16')} rollouts, VAE {first.get('vae_dtype', 'float32')}"
         f"{', decode overlapped' if first.get('overlap_decode') else ''}"
-        f"{', deterministic mode' if first.get('deterministic_mode') else ''}, on {first['device']} "
+        f"{', deterministic mode' if first.get('deterministic_mode') else ''}, "
+        f"attention {first.get('attention_backend') or 'default'}, checkpointing "
+        f"{first.get('activation_checkpointing', 'budget')}, canary {_canary_text(first)}, on {first['device']} "
         f"(mean of the rollouts after the first)"
     )
     return head + "\n\n" + "\n".join(lines) + "\n"
@@ -389,6 +458,18 @@ def parser() -> argparse.ArgumentParser:
         help="rollout.overlap_decode: decode beside the next micro-batch",
     )
     ap.add_argument("--deterministic-mode", action="store_true", help="parallel.deterministic_mode")
+    ap.add_argument(
+        "--attention-backend",
+        default=None,
+        help="parallel.fsdp_attention_backend (a diffusers backend: _native_cudnn, _native_flash, "
+        "_native_efficient, xformers, flash, _flash_3...; rollout and training alike; unset: the trainer's default)",
+    )
+    ap.add_argument(
+        "--checkpointing",
+        choices=["none", "selective", "attention", "full", "budget"],
+        default=None,
+        help="model.activation_checkpointing (unset: the recipe's, budget)",
+    )
     ap.add_argument("--vae-dtype", choices=["float32", "bfloat16"], default="float32", help="model.vae_dtype")
     ap.add_argument("--rewards", nargs="+", default=["jpeg", "pickscore"], choices=["jpeg", "pickscore"])
     ap.add_argument("--reward", choices=["jpeg", "pickscore"], help=argparse.SUPPRESS)  # one, in this process
