@@ -30,12 +30,15 @@ TOKENS = (24, 256, 1024, 2500, 4096, 7392, 32760)  # below, inside and above bas
 STEPS = (2, 3, 8, 20, 50)
 
 
-def _pipeline_schedule(config: dict, tokens: int, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sigmas, timesteps) as ``LTXPipeline.__call__`` sets them on its scheduler (its step 5)."""
+def _pipeline_schedule(config, tokens: int, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sigmas, timesteps) as ``LTXPipeline.__call__`` sets them on its scheduler (its step 5);
+    ``config``: the scheduler's config, or the scheduler."""
     from diffusers import FlowMatchEulerDiscreteScheduler
     from diffusers.pipelines.ltx.pipeline_ltx import calculate_shift, retrieve_timesteps
 
-    scheduler = FlowMatchEulerDiscreteScheduler.from_config(config)
+    scheduler = (
+        config if hasattr(config, "set_timesteps") else FlowMatchEulerDiscreteScheduler.from_config(config)
+    )
     sigmas = np.linspace(1.0, 1 / steps, steps)
     mu = calculate_shift(
         tokens,
@@ -49,6 +52,8 @@ def _pipeline_schedule(config: dict, tokens: int, steps: int) -> tuple[torch.Ten
 
 
 def test_the_schedule_is_ltx_pipelines_bitwise():
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
     from miles.models.ltx import ltx_flow_schedule
     from miles.models.tiny_ltx import LTX_SCHEDULER
     from miles.rollout.sampler import NUM_TRAIN_TIMESTEPS
@@ -56,10 +61,11 @@ def test_the_schedule_is_ltx_pipelines_bitwise():
     published = dict(LTX_SCHEDULER)  # config_folders_ltx writes this one for the 2B and 13B folders
     static = {"shift": 3.0, "shift_terminal": None}
     for config in (published, static):
+        scheduler = FlowMatchEulerDiscreteScheduler.from_config(config)  # set_timesteps sets it afresh
         for tokens in TOKENS:
             schedule = ltx_flow_schedule(config, tokens)
             for steps in STEPS:
-                want_sigmas, want_t = _pipeline_schedule(config, tokens, steps)
+                want_sigmas, want_t = _pipeline_schedule(scheduler, tokens, steps)
                 ours = schedule.sigmas(steps)
                 assert ours.dtype == torch.float32 and ours.shape == (steps + 1,)
                 assert torch.equal(ours, want_sigmas), (config, tokens, steps, ours, want_sigmas)
