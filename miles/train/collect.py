@@ -21,6 +21,7 @@ from miles.data.prompts import GroupSampler, Prompt
 from miles.models.dtypes import DTYPES
 from miles.models.family import FamilyModel, rollout_schedule
 from miles.parallel.fsdp import unsharded_for_rollout
+from miles.rollout.attention import rollout_attention
 from miles.rollout.batch import MicroBatch, RolloutBatch
 from miles.rollout.condition import conditions_of
 from miles.rollout.guidance import guidance_scales
@@ -220,6 +221,7 @@ class Collector:
                     reshard_after_forward=cfg.parallel.reshard_after_forward,
                 ),
                 rollout_precision([experts[e]], r.precision),  # fp8: a float8 copy of the gathered expert
+                rollout_attention([experts[e]], r.attention_precision),  # its self-attention's kernel
             ):
                 desc = f"rollout expert {e + 1}/{len(experts)}"
                 for mb, run in enumerate(_bar(runs, desc, self.progress)):

@@ -227,11 +227,15 @@ def _sequence_lines(seq: dict, sp: int) -> list[str]:
 
 
 def _precision_note(seq: dict) -> str:
-    if seq.get("rollout_precision", "bf16") == "bf16":
+    linears, attention = seq.get("rollout_precision", "bf16"), seq.get("rollout_attention_precision", "bf16")
+    if linears == attention == "bf16":
         return ""
     cap = seq["tis_cap"]
     fix = f"bf16 old log-probs, importance weights capped at {cap:g}" if cap else "no correction (tis_cap 0)"
-    return f"; rollout in {seq['rollout_precision']} ({fix})"
+    what = " + ".join(
+        [linears] * (linears != "bf16") + [f"{attention} self-attention"] * (attention != "bf16")
+    )
+    return f"; rollout in {what} ({fix})"
 
 
 def _param_memory_lines(rep: dict) -> list[str]:

@@ -68,6 +68,7 @@ def sequence_report(cfg, facts) -> tuple[dict, RolloutShape, list[str]]:
             "schedule": schedule.describe(r.num_steps),
             "sigmas": sigmas.tolist(),
             "rollout_precision": r.precision,
+            "rollout_attention_precision": r.attention_precision,
             "tis_cap": r.tis_cap,
         },
         shape,
