@@ -67,12 +67,17 @@ world-model: setup
 	$(PY) -m miles.pretrain_world $(WORLD_DIR)
 
 # The 81-frame world's prior (a 16-channel world VAE + a 2-block Wan prior with 128-wide heads, one
-# GPU, bf16, compiled; estimated ~5 min of prior training: python -m miles.pretrain_world_81 --estimate)
-# into WORLD_81_DIR, its report beside it (pretrain_report_81.json). configs/world_81.yaml reads
-# miles/world/pipeline_81, whose configs are committed: make world-model-81 WORLD_81_DIR=miles/world/pipeline_81.
+# GPU, bf16, compiled; estimated ~7 min in all: python bench/world81_plan.py) into WORLD_81_DIR, its
+# report beside it (pretrain_report_81.json). configs/world_81.yaml reads miles/world/pipeline_81,
+# whose configs are committed: make world-model-81 WORLD_81_DIR=miles/world/pipeline_81.
+# WORLD_81_MINUTES=8 pauses it after 8 minutes (exit 75; the same command continues it);
+# WORLD_81_BLOCKS=1 trains the 1-block prior (docs/learning.md, "The 81-frame world").
 WORLD_81_DIR ?= .cache/world-wan-81
+WORLD_81_MINUTES ?=
+WORLD_81_BLOCKS ?=
 world-model-81: setup
-	$(PY) -m miles.pretrain_world_81 $(WORLD_81_DIR)
+	$(PY) -m miles.pretrain_world_81 $(WORLD_81_DIR) $(if $(WORLD_81_MINUTES),--max-minutes $(WORLD_81_MINUTES)) \
+		$(if $(WORLD_81_BLOCKS),--prior-blocks $(WORLD_81_BLOCKS))
 
 # The same recipe shape on one GPU.
 e2e-gpu: tiny-model

@@ -15,6 +15,7 @@
 #   bash bench/speed_gpu.sh fit OUT         # the frame fit at 80 and 141 GiB, LoRA, both capped alike;
 #                                           # repeat until it prints "fit done" (it resumes its cases)
 #   bash bench/speed_gpu.sh precision OUT   # bench/attention_precision.py (issue 43 item 1, h43a's bench)
+#   bash bench/speed_gpu.sh step-lowp OUT   # the whole step, FP8 Linears + INT8 self-attention, VAE bf16
 #   bash bench/speed_gpu.sh mfu OUT         # bench/mfu_table.py over docs/bench/*.json + every stage's JSON
 #                                           # (CPU: also here, after fetching: MFU_INPUTS=DIR)
 #
@@ -27,7 +28,7 @@
 # fetch tool's yifan123/flow_grpo snapshot is 2025-07's, without the Wan script); `wheels` with
 # FLOW_GRPO_GIT=<the fetched git dir> extracts its flow_grpo/, scripts/ and config/ there (~10 MB).
 set -euo pipefail
-stage=${1:?stage: plan | wheels | profile | backends | backends2 | peer-lora | peer-full | fit | precision | mfu}
+stage=${1:?stage: plan | wheels | profile | backends | backends2 | peer-lora | peer-full | fit | precision | step-lowp | mfu}
 out=${2:?OUT folder}
 limit=${LIMIT:-570}
 py=${PY:-python3}
@@ -39,9 +40,10 @@ fit_frames=${FIT_FRAMES:-81 121 161 201 241}
 # stages: step_variants_h200.json init 52-95 s, warm-up rollout + compile ~73 s, measured step ~41 s;
 # peer_step_h200.json flow_grpo 2 steps ~125 s) | what it runs
 declare -A estimate=(
-  [profile]=260 [backends]=450 [backends2]=450 [peer-lora]=330 [peer-full]=340 [fit]=570 [precision]=570 [mfu]=5
+  [profile]=260 [backends]=450 [backends2]=450 [peer-lora]=330 [peer-full]=340 [fit]=570 [precision]=570 [step-lowp]=330
+  [mfu]=5
 )
-order="profile backends peer-lora precision | peer-full backends2 fit fit mfu"
+order="profile backends peer-lora precision | step-lowp peer-full backends2 fit fit mfu"
 
 run() {  # a command, or with DRY=1 its words
   if [ -n "${DRY:-}" ]; then
@@ -53,7 +55,8 @@ run() {  # a command, or with DRY=1 its words
 
 setup() {  # the carried wheels, and where this stage works
   mkdir -p "$out" "$scratch/results"
-  export HF_HUB_OFFLINE=1 WANDB_MODE=disabled PYTHONUNBUFFERED=1
+  # torchao (the fp8 extra) needs none of its compiled extensions, built for another CUDA
+  export HF_HUB_OFFLINE=1 WANDB_MODE=disabled PYTHONUNBUFFERED=1 TORCHAO_FORCE_SKIP_LOADING_SO_FILES=1
   if [ -d .whl ] && [ -z "${DRY:-}" ]; then
     rm -rf /tmp/site
     $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
@@ -106,7 +109,7 @@ backend_cases() {  # one step bench per backend:checkpointing, each in the stage
 case "$stage" in
   plan)
     total=0
-    for s in profile backends backends2 peer-lora peer-full fit precision mfu; do
+    for s in profile backends backends2 peer-lora peer-full fit precision step-lowp mfu; do
       printf '%-10s ~%4s s\n' "$s" "${estimate[$s]}"; total=$((total + estimate[$s]))
     done
     first=0
@@ -124,7 +127,8 @@ case "$stage" in
     # shellcheck disable=SC2086
     run $py -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
-      diffusers==0.42.1 transformers==5.24.0 peft==0.21.2 tyro==1.0.17 xformers==0.0.35 $extra
+      diffusers==0.42.1 transformers==5.24.0 peft==0.21.2 tyro==1.0.17 xformers==0.0.35 $extra \
+      sageattention==1.0.6 nvidia-cudnn-frontend==1.16.0 torchao==0.18.0  # precision: attn-lowp, cuDNN FP8, fp8 (5.4 MB)
     if [ -n "${FLOW_GRPO_GIT:-}" ]; then
       mkdir -p "$flow_grpo"
       git --git-dir="$FLOW_GRPO_GIT" archive 9745241 flow_grpo scripts config | run tar -x -C "$flow_grpo"
@@ -177,13 +181,23 @@ case "$stage" in
       echo "[speed] bench/attention_precision.py is not in this checkout (issue 43 item 1): skipped"
       exit 0
     fi
-    run timeout "$limit" $py bench/attention_precision.py --out "$scratch/precision" 2>&1 | log || stopped
+    run timeout $((limit - 70)) $py bench/attention_precision.py --out "$scratch/precision" 2>&1 | log || stopped
+    # the INT8 kernel against its float formula, under USP ring 1, and a rollout's gap: ~1 min
+    run timeout 60 $py -m pytest -q -p no:cacheprovider tests/gpu/test_attention_precision_gpu.py 2>&1 | tail -8 \
+      > "$out/precision_gpu_test.txt" || true
     if [ -z "${DRY:-}" ]; then
       n=0
       for f in "$scratch"/precision/*.json "$scratch"/precision/*.md; do
         [ -f "$f" ] && [ "$n" -lt 6 ] && keep "$f" "precision_$(basename "$f")" && n=$((n + 1))
       done
     fi
+    ;;
+  step-lowp)  # the whole step with FP8 Linears and INT8 self-attention in the rollout, VAE in bf16:
+    # against the committed bf16 step with the VAE in bf16 (step_variants_h200.json, vae_bf16)
+    setup
+    run timeout "$limit" $py bench/step_bench.py --out "$scratch/step_lowp" --work "$scratch/work" --rewards jpeg \
+      --rollouts 2 --rollout-precision fp8 --attention-precision sage_int8 --vae-dtype bfloat16 2>&1 | log || stopped
+    keep "$scratch/step_lowp/jpeg.json" step_lowp.json
     ;;
   mfu)
     setup

@@ -22,8 +22,10 @@ steps per rollout, group size, the 81 x 480 x 832 video — and swaps only:
 ``--negated`` adds each run's twin with ``grpo.negate_advantages`` (the reward's sign flipped: a
 run blind to the reward moves both alike). ``--run`` launches the runs side by side on the one GPU
 (one process each) and writes ``world81.json`` / ``world81.md`` / ``world81.png`` with
-``bench/learning.py``'s readers. ``estimate`` gives each recipe's approximate transformer FLOPs
-per 300-step curve (attention-dominated forwards at 32,760 tokens; an estimate, not a measurement).
+``bench/learning.py``'s readers. ``estimate`` gives each recipe's estimated H200 seconds per 300-step
+curve by part (the prior's forwards, the VAE's decodes, the evaluations; not a measurement), which
+``bench/world81_plan.py`` packs into the GPU session plan. ``--model`` points the recipes at another
+prior folder (``bench/world81_gpu.sh`` uses its work folder's).
 """
 
 from __future__ import annotations
@@ -50,18 +52,24 @@ RECIPES = {
 MODEL = "miles/world/pipeline_81"
 PROMPTS_PER_RANK = 2
 EVAL_SEEDS = 16
+EVAL_EVERY = 15
 STEPS = 300
+VAE16_DECODE_FLOPS = 5_599_694_929_920
+"""FLOPs of one decode of the 16-channel world VAE (``VAE_16``) at 81 x 480 x 832, counted by
+``torch.utils.flop_counter`` on meta tensors (``bench/world81_plan.py --count``)."""
 _SWAPPED = "model.path, data (prompts, negative prompt, text length, groups per rollout), reward, eval, parallel, run.name, train.num_rollouts"
 
 
-def world81_recipe(recipe: str | Path, steps: int = STEPS) -> dict:
+def world81_recipe(
+    recipe: str | Path, steps: int = STEPS, model: str = MODEL, eval_every: int = EVAL_EVERY
+) -> dict:
     """The recipe file's sections with only the model, the prompts, the reward and the batch swapped
     (module docstring); every other key as shipped."""
     raw = yaml.safe_load((ROOT / recipe).read_text())
     out = copy.deepcopy(raw)
     name = Path(recipe).stem
     out["run"] = {**raw.get("run", {}), "name": f"world81_{name}"}
-    out["model"] = {**raw.get("model", {}), "path": MODEL}
+    out["model"] = {**raw.get("model", {}), "path": str(model)}
     out["parallel"] = {**raw.get("parallel", {}), "sequence_parallel_size": 1, "ulysses_degree": 0}
     data = {k: v for k, v in raw.get("data", {}).items() if k not in ("prompt_file", "negative_prompt")}
     out["data"] = {
@@ -75,7 +83,7 @@ def world81_recipe(recipe: str | Path, steps: int = STEPS) -> dict:
     out["eval"] = {
         **raw.get("eval", {}),
         "prompt_file": "miles/world/prompts_heldout.txt",
-        "every": 15,
+        "every": eval_every,
         "num_seeds": EVAL_SEEDS,
         "seed": 0,
     }
@@ -92,14 +100,17 @@ def header(recipe: str) -> str:
     )
 
 
-def write_recipes(out: Path, names: list[str]) -> dict[str, Path]:
-    """``OUT/recipes/<name>.yaml`` for each recipe name of ``RECIPES``."""
+def write_recipes(
+    out: Path, names: list[str], model: str = MODEL, eval_every: int = EVAL_EVERY
+) -> dict[str, Path]:
+    """``OUT/recipes/<name>.yaml`` for each recipe name of ``RECIPES`` (``model``: the prior's folder)."""
     (out / "recipes").mkdir(parents=True, exist_ok=True)
     paths = {}
     for name in names:
         path = out / "recipes" / f"{name}.yaml"
         path.write_text(
-            header(RECIPES[name]) + yaml.safe_dump(world81_recipe(RECIPES[name]), sort_keys=False)
+            header(RECIPES[name])
+            + yaml.safe_dump(world81_recipe(RECIPES[name], STEPS, model, eval_every), sort_keys=False)
         )
         paths[name] = path
     return paths
@@ -131,44 +142,73 @@ def command(
     return cmd + (["--grpo.negate-advantages"] if negated else [])
 
 
-def estimate(recipe_path: Path) -> dict:
-    """Approximate transformer forwards per sample and FLOPs per 300-step curve of a written recipe.
-
-    A forward of the prior is ``miles.pretrain_world_81.estimate``'s per-sample FLOPs; a rollout
-    runs ``num_steps`` forwards (x2 with CFG); a trained timestep costs ~3 forwards (forward and
-    backward), x2 when trained through CFG, +1 reference forward with a KL; the trained timesteps
-    per sample are the SDE window (Flow-GRPO, Guard), ``int(fraction x steps)`` (DiffusionNFT) or
-    the section's ``num_levels`` (AWM, DGPO, online DPO). Approximate: it leaves out the VAE, the
-    reward and the optimizer, and the old-policy forwards some algorithms add."""
-    from miles.config import parse_args
-    from miles.pretrain_world_81 import Pretrain81Config
-    from miles.pretrain_world_81 import estimate as prior_estimate
-
-    cfg, _ = parse_args(["--config", str(recipe_path)])
+def _forwards(cfg) -> tuple[int, int, int, int]:
+    """(rollout forwards, trained levels, forward-equivalents of a trained level's fwd+bwd, its extra
+    no-grad forwards) a sample for a parsed recipe: a rollout runs ``num_steps`` forwards (x2 with
+    CFG); a trained level costs 3 forwards (x2 when trained through CFG) plus, without a gradient,
+    the reference's forward with a KL (x2 with DGPO's guided reference), DiffusionNFT's old policy,
+    online DPO's reference. Trained levels: the SDE window (Flow-GRPO, Guard), ``int(fraction x
+    steps)`` (DiffusionNFT), the section's ``num_levels`` (AWM, DGPO, online DPO)."""
     r, algo = cfg.rollout, cfg.algorithm.name
     guided = r.guidance_scale > 1
-    rollout = r.num_steps * (2 if guided else 1)
     if algo in ("flow_grpo", "grpo_guard"):
-        trained = r.sde_window_size or int(r.timestep_fraction * r.num_steps)
-        cfg_train, kl = cfg.grpo.train_cfg and guided, cfg.grpo.kl_beta > 0
+        levels = r.sde_window_size or int(r.timestep_fraction * r.num_steps)
+        cfg_train, extra = cfg.grpo.train_cfg and guided, int(cfg.grpo.kl_beta > 0)
     elif algo == "diffusion_nft":
-        trained, cfg_train, kl = (
-            max(1, int(cfg.nft.timestep_fraction * r.num_steps)),
-            False,
-            cfg.nft.kl_beta > 0,
-        )
+        levels, cfg_train = max(1, int(cfg.nft.timestep_fraction * r.num_steps)), False
+        extra = 1 + int(cfg.nft.kl_beta > 0)  # the old policy, the reference
     else:
         section = {"awm": cfg.awm, "dgpo": cfg.dgpo, "online_dpo": cfg.dpo}[algo]
-        trained, cfg_train, kl = section.num_levels, False, getattr(section, "kl_beta", 0) > 0
-    per_sample = rollout + trained * (3 * (2 if cfg_train else 1) + (1 if kl else 0))
+        levels, cfg_train = section.num_levels, False
+        extra = int(getattr(section, "kl_beta", 0) > 0)
+        if algo == "dgpo":
+            extra = max(extra, 1) * (2 if section.reference_guidance_scale > 1 else 1)
+        elif algo == "online_dpo":
+            extra = 1
+    return r.num_steps * (2 if guided else 1), levels, 3 * (2 if cfg_train else 1), extra
+
+
+def estimate(recipe_path: Path, blocks: int = 2, vae_dtype: str | None = None) -> dict:
+    """Estimated H200 seconds of one 300-step curve of a written recipe, alone on the GPU, by part:
+    the prior's forwards (``_forwards``) at ``miles.pretrain_world_81.RATES`` (542 TFLOP/s without
+    a gradient, 449 with), the world VAE's decodes (rollouts and evaluations) at its measured fp32
+    rate (bf16 1.47x faster, ``vae_dtype``, default the recipe's), the evaluations (``eval.every``,
+    held-out prompts x ``eval.num_seeds``, the rollout's steps and CFG). Left out: the reward, the
+    optimizer, the checkpoints, the start-up (``bench/world81_plan.py`` adds it). An estimate."""
+    from miles.config import parse_args
+    from miles.pretrain_world_81 import PRIOR, RATES, forward_flops
+
+    cfg, _ = parse_args(["--config", str(recipe_path)])
+    forward = forward_flops(
+        (cfg.rollout.num_frames, cfg.rollout.height, cfg.rollout.width), dict(PRIOR, num_layers=blocks)
+    )
+    rollout, levels, trained, extra = _forwards(cfg)
     samples = cfg.data.prompts_per_rank * cfg.data.group_size * cfg.train.num_rollouts
-    forward = prior_estimate(Pretrain81Config())["forward_flops_per_sample"]
-    flops = per_sample * samples * forward
+    evals = cfg.train.num_rollouts // cfg.eval.every + 1 + int(cfg.train.num_rollouts % cfg.eval.every > 0)
+    eval_samples = evals * 8 * cfg.eval.num_seeds
+    decode_rate = RATES["vae_fp32"] * (1.47 if (vae_dtype or cfg.model.vae_dtype) == "bfloat16" else 1.0)
+    decode_s = VAE16_DECODE_FLOPS / (decode_rate * 1e12)
+    parts = {
+        "rollout_s": samples * rollout * forward / (RATES["forward"] * 1e12),
+        "train_s": samples * levels * trained * forward / (RATES["train"] * 1e12),
+        "no_grad_s": samples * levels * extra * forward / (RATES["forward"] * 1e12),
+        "decode_s": samples * decode_s,
+        "eval_s": eval_samples
+        * (
+            cfg.rollout.num_steps
+            * (2 if cfg.rollout.guidance_scale > 1 else 1)
+            * forward
+            / (RATES["forward"] * 1e12)
+            + decode_s
+        ),
+    }
     return {
-        "forwards_per_sample": per_sample,
+        "forwards_per_sample": rollout + levels * (trained + extra),
         "samples_per_curve": samples,
-        "curve_flops": flops,
-        "curve_minutes_alone_at_350_tflops": round(flops / 350e12 / 60, 1),
+        "eval_samples": eval_samples,
+        "curve_flops": samples * (rollout + levels * (trained + extra)) * forward,
+        **{k: round(v) for k, v in parts.items()},
+        "curve_s_alone": round(sum(parts.values())),
     }
 
 
@@ -184,11 +224,16 @@ def dry_run_all(paths: dict[str, Path]) -> dict[str, dict]:
     return reports
 
 
+KILL_GRACE_S = 30.0
+"""Seconds a run stopped at the time limit has to checkpoint and exit before it is killed."""
+
+
 def launch(
     out: Path, paths: dict[str, Path], runs: list, time_limit: float | None, resume: bool
 ) -> dict[str, float]:
-    """Every run side by side on the one GPU; stops runs still going after ``time_limit`` s (a
-    stopped run checkpoints; ``resume`` continues it)."""
+    """Every run side by side on the one GPU; stops runs still going after ``time_limit`` s (SIGTERM:
+    a stopped run finishes the update it is in, checkpoints and exits; ``resume`` continues it) and
+    kills any still there ``KILL_GRACE_S`` later, so a stage ends within its command's limit."""
     import os
 
     env = {**os.environ, "OMP_NUM_THREADS": "2", "HF_HUB_OFFLINE": "1"}
@@ -197,17 +242,24 @@ def launch(
         log = open(out / f"{run}.log", "a")
         cmd = command(out, paths[name], run, seed, negated, resume)
         procs[run] = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    stopping: set[str] = set()
     while len(walls) < len(procs):
+        elapsed = time.monotonic() - start
         for run, proc in procs.items():
-            if run not in walls and proc.poll() is not None:
-                walls[run] = time.monotonic() - start
-            elif run not in walls and time_limit and time.monotonic() - start > time_limit:
+            if run in walls:
+                continue
+            if proc.poll() is not None:
+                walls[run] = elapsed
+            elif time_limit and elapsed > time_limit + KILL_GRACE_S:
+                proc.kill()
+            elif time_limit and elapsed > time_limit and run not in stopping:
                 proc.terminate()
+                stopping.add(run)
         time.sleep(1.0)
     return walls
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=list(RECIPES))
@@ -221,9 +273,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--time-limit", type=float, default=None)
     p.add_argument("--resume", action="store_true", help="continue each run from its latest checkpoint")
     p.add_argument("--report", action="store_true", help="only read the runs in OUT and write the JSON/PNG")
+    p.add_argument("--model", default=MODEL, help=f"the 81-frame prior's folder (default {MODEL})")
+    p.add_argument("--eval-every", type=int, default=EVAL_EVERY, help="rollouts between held-out evaluations")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    paths = write_recipes(args.out, args.recipes)
+    paths = write_recipes(args.out, args.recipes, args.model, args.eval_every)
     runs = run_names(args.recipes, args.seeds, args.negated, args.twin_seeds)
     plan = {
         "recipes": {n: str(RECIPES[n]) for n in args.recipes},
@@ -241,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     for run, cmd in plan["commands"].items():
         print(f"{run}: {' '.join(cmd)}")
     for name, est in plan["estimate"].items():
-        print(f"{name}: ~{est['curve_minutes_alone_at_350_tflops']} min a curve alone (estimate)")
+        print(f"{name}: ~{est['curve_s_alone'] / 60:.1f} min a curve alone on one H200 (estimate)")
     if not (args.run or args.report):
         return 0
     sys.path.insert(0, str(ROOT / "bench"))

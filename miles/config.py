@@ -252,8 +252,8 @@ def config_warnings(cfg: Config) -> list[str]:
     if cfg.rollout.sde_window_size == 0:
         why = "rollout.sde_window_size is 0 (no window)"
         unused += [(f"rollout.{n}", why) for n in _changed(cfg.rollout, ["sde_window_range"])]
-    if cfg.rollout.precision == "bf16":
-        why = "rollout.precision is bf16 (no drift to correct)"
+    if not cfg.rollout.differs_from_training:
+        why = "rollout.precision and rollout.attention_precision are bf16 (no drift to correct)"
         unused += [(f"rollout.{n}", why) for n in _changed(cfg.rollout, ["tis_cap"])]
     scored = {*cfg.reward.weights, *cfg.reward.gold}
     for name in reward_option_classes():

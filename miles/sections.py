@@ -154,7 +154,8 @@ class RolloutConfig:
     num_steps: int = 8
     """Denoising steps per rollout."""
     shift: float = 3.0
-    """Flow-matching timestep shift (Wan: 3.0 at 480p, 5.0 at 720p)."""
+    """Flow-matching timestep shift (Wan: 3.0 at 480p, 5.0 at 720p). LTX: leave unset; its folder's
+    scheduler sets the schedule (shift from the token count, shift_terminal) and another value is refused."""
     guidance_scale: float = 4.0
     """CFG scale of the (high-noise) expert; <= 1 turns CFG off."""
     guidance_scale_2: float | None = None
@@ -188,11 +189,18 @@ class RolloutConfig:
     activation and weight scales) once per rollout phase, on CUDA sm >= 89 only (``pip install
     -e '.[fp8]'``); training stays bf16 and the loss corrects for the drift (``tis_cap``,
     docs/fp8_rollout.md)."""
+    attention_precision: Literal["bf16", "sage_int8"] = "bf16"
+    """The rollout's self-attention: ``bf16`` the compute dtype's backend (cudnn SDPA on CUDA);
+    ``sage_int8`` SageAttention's INT8 QK^T with fp16 PV (Triton, CUDA sm >= 80, ``pip install -e
+    '.[attn-lowp]'``) while the gathered expert samples; cross-attention, training, the KL reference
+    and evaluation stay bf16 and the loss corrects for the drift as for ``precision: fp8``
+    (``tis_cap``; ring degree 1 only; docs/fp8_rollout.md, "Low-precision attention")."""
     tis_cap: float = 2.0
-    """With a rollout policy that differs from the trained one (``precision: fp8``): the truncated
-    importance weight min(exp(logp_bf16 - logp_rollout), tis_cap) multiplying each sample-step's
-    policy loss, whose ratio then uses the bf16 log-probs as old ones. 0: no correction (the old
-    log-probs are the rollout's; the drift is still logged). Else >= 1."""
+    """With a rollout policy that differs from the trained one (``precision: fp8``, or an
+    ``attention_precision`` other than bf16): the truncated importance weight
+    min(exp(logp_bf16 - logp_rollout), tis_cap) multiplying each sample-step's policy loss, whose
+    ratio then uses the bf16 log-probs as old ones. 0: no correction (the old log-probs are the
+    rollout's; the drift is still logged). Else >= 1."""
     overlap_decode: bool = False
     """Decode each micro-batch's videos as soon as they are sampled, on a worker thread and a side
     CUDA stream, while the transformer samples the next micro-batch; the frames wait in pinned host
@@ -200,6 +208,12 @@ class RolloutConfig:
     decode workspace then counts beside the rollout's in the memory plan. On CPU each micro-batch
     is decoded right after it is sampled (nothing to overlap). On one H200 at the Wan2.1-1.3B shape it
     hid no time (the transformer keeps the GPU busy: BENCHMARKS.md, run D), hence off by default."""
+
+    @property
+    def differs_from_training(self) -> bool:
+        """The rollout samples in another arithmetic than training (FP8 Linears or low-precision
+        attention): its log-probs are corrected by the truncated importance weights (``tis_cap``)."""
+        return self.precision != "bf16" or self.attention_precision != "bf16"
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -333,7 +347,7 @@ RANGES: dict[str, tuple[str, str]] = {
     "rollout.height": ("(0, 4096]", "pixels, a multiple of 16"),
     "rollout.width": ("(0, 4096]", "pixels, a multiple of 16"),
     "rollout.num_steps": ("[2, 1000]", "the scheduler has 1000 timesteps"),
-    "rollout.shift": ("(0, 100]", "Wan uses 3.0 at 480p, 5.0 at 720p"),
+    "rollout.shift": ("(0, 100]", "Wan uses 3.0 at 480p, 5.0 at 720p; LTX: unset, the folder's schedule"),
     "rollout.guidance_scale": ("[0, 100]", "<= 1 turns CFG off; Wan uses 5"),
     "rollout.guidance_scale_2": ("[0, 100]", "<= 1 turns CFG off; Wan uses 5"),
     "rollout.noise_level": ("[0, 10]", "Flow-GRPO uses 0.7"),

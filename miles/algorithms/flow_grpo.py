@@ -41,6 +41,7 @@ from miles.console import rank
 from miles.grpo.losses import grpo_policy_loss, policy_log_ratio
 from miles.rollout.batch import MicroBatch, RolloutBatch
 from miles.rollout.sampler import compute_log_prob, sde_step_indices
+from miles.rollout.schedule import FlowSchedule
 from miles.rollout.sde import sde_std_dev, wan_sde_std_dev
 
 _METRICS = ("loss", "policy_loss", "kl", "clipfrac", "approx_kl", "ratio")
@@ -101,14 +102,17 @@ class FlowGRPO(Algorithm):
     ratio_norm = False
     trains_clipped_ratio = True
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, schedule: FlowSchedule | None = None):
         self.rollout, self.grpo = cfg.rollout, cfg.grpo
         self.uses_reference = cfg.grpo.kl_beta > 0
         self.kl_beta = cfg.grpo.kl_beta  # train.guard kl raises it (scale_kl)
         # grpo.clip_range auto: None until measured before the first rollout's second step
         self.clip_range = None if cfg.grpo.clip_range == "auto" else float(cfg.grpo.clip_range)
-        # rollout.precision fp8: bf16 old log-probs and truncated importance weights (docs/fp8_rollout.md)
-        self.correction = RolloutCorrection(cfg.rollout.tis_cap) if cfg.rollout.precision != "bf16" else None
+        # rollout.precision fp8 or a low-precision rollout attention: bf16 old log-probs and truncated
+        # importance weights (docs/fp8_rollout.md)
+        self.correction = (
+            RolloutCorrection(cfg.rollout.tis_cap) if cfg.rollout.differs_from_training else None
+        )
 
     @classmethod
     def check(cls, cfg) -> list[str]:
@@ -273,10 +277,11 @@ class GRPOGuard(FlowGRPO):
     @classmethod
     def check(cls, cfg) -> list[str]:
         errors = super().check(cfg)
-        if cfg.rollout.precision != "bf16":
+        if cfg.rollout.differs_from_training:
             errors.append(
-                "rollout.precision fp8 corrects Flow-GRPO's plain ratio; GRPO-Guard's normalised ratio would need "
-                "the bf16 policy's old means: use algorithm.name flow_grpo or rollout.precision bf16"
+                "rollout.precision fp8 and rollout.attention_precision correct Flow-GRPO's plain ratio; GRPO-Guard's "
+                "normalised ratio would need the bf16 policy's old means: use algorithm.name flow_grpo or "
+                "rollout.precision bf16 and rollout.attention_precision bf16"
             )
         if cfg.rollout.sde_type != "sde":
             errors.append(

@@ -222,15 +222,20 @@ def _sequence_lines(seq: dict, sp: int) -> list[str]:
         f"          {seq['text_tokens']} text tokens; {seq['samples_per_rank']} samples per dp rank, micro batch "
         f"{seq['micro_batch']}{cfg_note} per forward; {seq['num_sde_steps']} SDE steps trained"
         + _precision_note(seq),
+        f"schedule  {seq['schedule']}",
     ]
 
 
 def _precision_note(seq: dict) -> str:
-    if seq.get("rollout_precision", "bf16") == "bf16":
+    linears, attention = seq.get("rollout_precision", "bf16"), seq.get("rollout_attention_precision", "bf16")
+    if linears == attention == "bf16":
         return ""
     cap = seq["tis_cap"]
     fix = f"bf16 old log-probs, importance weights capped at {cap:g}" if cap else "no correction (tis_cap 0)"
-    return f"; rollout in {seq['rollout_precision']} ({fix})"
+    what = " + ".join(
+        [linears] * (linears != "bf16") + [f"{attention} self-attention"] * (attention != "bf16")
+    )
+    return f"; rollout in {what} ({fix})"
 
 
 def _param_memory_lines(rep: dict) -> list[str]:

@@ -8,13 +8,14 @@ config and the plan's facts (:class:`PlanFacts`: the mesh, the meta model, the d
 mesh (:func:`miles.parallel.topology_checks.mesh_report`), the run directory and the checkpoint to
 resume (its files' sha256 included), the model folder's files (:mod:`miles.models.fingerprint`),
 the prompt files and their images, the batch source (:mod:`miles.train.sources`), the rewards
-(:mod:`miles.rewards.from_config`), the rollout precision (:mod:`miles.rollout.precision`), the
-attention backend, ring kernel and SP plan (:mod:`miles.sequence_parallel.checks`), the SDE
-schedule and the family's text length, the LoRA targets (:mod:`miles.train.footprint`) — every
-refusal listed at once, in one format (:mod:`miles.train.input_checks`) — then the per-rank memory
-(:mod:`miles.train.footprint`, :mod:`miles.train.memory_budget`; the reward models' bytes
-estimated from their weight files). A refused setting raises :class:`PlanError` (a
-``ConfigError``, so a ``ValueError``) whose message names the fix.
+(:mod:`miles.rewards.from_config`), the rollout precision (:mod:`miles.rollout.precision`) and its
+attention's (:mod:`miles.rollout.attention`), the attention backend, ring kernel and SP plan
+(:mod:`miles.sequence_parallel.checks`), the SDE schedule and the family's text length, the LoRA
+targets (:mod:`miles.train.footprint`) — every refusal listed at once, in one format
+(:mod:`miles.train.input_checks`) — then the per-rank memory (:mod:`miles.train.footprint`,
+:mod:`miles.train.memory_budget`; the reward models' bytes estimated from their weight files). A
+refused setting raises :class:`PlanError` (a ``ConfigError``, so a ``ValueError``) whose message
+names the fix.
 """
 
 from __future__ import annotations
@@ -29,12 +30,14 @@ import torch.distributed as dist
 
 from miles.config import Config, ConfigError, config_warnings
 from miles.data.prompts import TINY_PROMPTS, GroupSampler, Prompt, check_prompt_images, load_prompts
-from miles.models.family import FamilyModel, ModelFamily, family_of, model_folder
+from miles.models.family import FamilyModel, ModelFamily, family_of, model_folder, rollout_schedule
 from miles.models.fingerprint import model_fingerprint
 from miles.parallel.topology import ParallelDims
 from miles.parallel.topology_checks import local_world_size_from_env, mesh_report, node_note
 from miles.rewards.from_config import check_image_rewards, check_reward_inputs, estimated_reward_bytes
+from miles.rollout.attention import check_attention_precision
 from miles.rollout.precision import check_rollout_precision
+from miles.rollout.schedule import FlowSchedule
 from miles.sequence_parallel.checks import check_ring_dtype, sp_plan_report
 from miles.train.footprint import memory_report, param_report, sequence_report
 from miles.train.input_checks import collect_errors, join_errors
@@ -93,6 +96,7 @@ class RunPlan:
     held_out: list[Prompt]
     image_to_video: bool
     num_sde_steps: int
+    schedule: FlowSchedule  # the family's noise schedule (``FamilyModel.flow_schedule``)
     shape: RolloutShape
     sizes: ModelSizes
     resident: ResidentMemory  # rewards: their models' bytes estimated from the weight files (the trainer
@@ -176,7 +180,13 @@ def plan_run(
         parts["sequence"],
         parts["params"],
     )
-    warnings += config_warnings(cfg) + parts["precision"] + parts["ring"] + text_warnings
+    warnings += (
+        config_warnings(cfg)
+        + parts["precision"]
+        + parts["attention_precision"]
+        + parts["ring"]
+        + text_warnings
+    )
     mesh["node_note"] = node_note(dims, world_size, local_world_size, local_source)
     try:
         resident, memory, ac_note = memory_report(cfg, facts, sizes, shape, inputs["reward_bytes"])
@@ -200,6 +210,7 @@ def plan_run(
         held_out=inputs["held_out"],
         image_to_video=facts.image_to_video,
         num_sde_steps=sequence["num_sde_steps"],
+        schedule=rollout_schedule(model, cfg.rollout),
         shape=shape,
         sizes=sizes,
         resident=resident,
@@ -231,6 +242,7 @@ def _check_parts(cfg: Config, facts: PlanFacts, all_ranks: bool = False) -> dict
     errors = _input_errors(cfg, facts, found)
     errors += collect_errors(
         part("precision", lambda: _check_precision(cfg, facts.device_type)),
+        part("attention_precision", lambda: _check_attention_precision(cfg, facts)),
         part("ring", lambda: check_ring_dtype(cfg, facts.dims, facts.device_type)),
         part("sp_plan", lambda: sp_plan_report(cfg, facts)),
         part("sequence", lambda: sequence_report(cfg, facts)),
@@ -317,4 +329,17 @@ def _check_precision(cfg: Config, device_type: str) -> list[str]:
         device_type,
         model_dtype=cfg.model.dtype,
         rollout_unsharded=cfg.parallel.rollout_unsharded,
+    )
+
+
+def _check_attention_precision(cfg: Config, facts: PlanFacts) -> list[str]:
+    """``rollout.attention_precision``: its kernel's package and GPU, bf16 weights, ring degree 1, no
+    deterministic mode, a head dim the kernel has."""
+    return check_attention_precision(
+        cfg.rollout.attention_precision,
+        facts.device_type,
+        model_dtype=cfg.model.dtype,
+        ring=facts.dims.ring,
+        deterministic=cfg.parallel.deterministic_mode,
+        head_dim=getattr(facts.model.transformers[0].config, "attention_head_dim", None),
     )

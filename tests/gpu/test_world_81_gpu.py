@@ -43,3 +43,28 @@ def test_pretraining_gpu_path_runs_compiled_in_bf16(tmp_path):
     report = pretrain(tmp_path / "pipeline", cfg)
     assert report["latent_shape"] == [16, 5, 12, 20] and report["device"] != "cpu"
     assert 0.0 <= report["heldout"]["adherence"] <= 1.0
+
+
+def test_pretraining_paused_on_the_gpu_continues_to_the_same_prior(tmp_path):
+    """The GPU path cut mid-VAE and mid-prior (``Budget(steps=...)``) ends with the weights of one
+    uninterrupted run: the CUDA generators and the compiled blocks' state come back (to the
+    nondeterminism of CUDA's kernels: close, not asserted bitwise)."""
+    from safetensors.torch import load_file
+
+    from miles.pretrain_resume import Budget, Paused
+    from miles.pretrain_world_81 import PRIOR, Pretrain81Config, pretrain
+
+    cfg = Pretrain81Config(
+        shape=(17, 96, 160), prior=dict(PRIOR, num_layers=1), vae_short_steps=2, vae_long_steps=1,
+        vae_pool_per_prompt=1, videos_per_prompt=1, dit_steps=4, eval_seeds_heldout=1, eval_seeds_train=0,
+        eval_steps=2,
+    )  # fmt: skip
+    pretrain(tmp_path / "whole" / "p", cfg)
+    for steps in (1, 3):
+        with pytest.raises(Paused):
+            pretrain(tmp_path / "cut" / "p", cfg, Budget(steps=steps))
+    pretrain(tmp_path / "cut" / "p", cfg)
+    name = "transformer/diffusion_pytorch_model.safetensors"
+    whole, cut = load_file(tmp_path / "whole" / "p" / name), load_file(tmp_path / "cut" / "p" / name)
+    for key in whole:
+        torch.testing.assert_close(cut[key], whole[key], atol=1e-3, rtol=1e-3)

@@ -159,7 +159,8 @@ def test_options_the_chosen_setting_never_reads_are_warned_about():
     )
     assert "model.lora_alpha is set but never read: model.lora_rank is 0 (a full fine-tune)" in warnings
     assert (
-        "rollout.tis_cap is set but never read: rollout.precision is bf16 (no drift to correct)" in warnings
+        "rollout.tis_cap is set but never read: rollout.precision and rollout.attention_precision are bf16 (no drift to correct)"
+        in warnings
     )
     cfg, _ = parse_args(["--reward.pickscore.model-path", "/x"])
     assert config_warnings(cfg) == [
