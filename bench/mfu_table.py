@@ -49,6 +49,8 @@ def step_row(label: str, r: dict, peak: float) -> dict:
     rollouts = per_rollout(r["phases"])
     s = summarize(rollouts, r["flops"], r.get("summary", {}).get("budget_gib", 0.0), peak)
     setting = [r.get("rollout_precision", "bf16") + " rollouts", f"VAE {r.get('vae_dtype', 'float32')}"]
+    if r.get("attention_precision", "bf16") != "bf16":
+        setting.append(f"{r['attention_precision']} self-attention in the rollout")
     if "attention_backend" in r:  # recorded since issue 43 (before: the trainer's default, cudnn)
         setting.append(f"attention {r['attention_backend'] or 'default'}")
     if "activation_checkpointing" in r:

@@ -30,7 +30,7 @@ prints every thread's Python stack) and, by ``--check``:
 on a loaded machine, where the ranks' threads interleave differently.
 
 Writes ``OUT/stress.json`` after every launch: the settings, one row per launch (layout, exit
-code, seconds, ``crashed``, the kind — ``heap`` (a glibc heap check, a double free, ASan),
+code, seconds, the machine's 1-minute load average at its start and end, ``crashed``, the kind — ``heap`` (a glibc heap check, a double free, ASan),
 ``signal`` (a rank died by a signal), ``error`` (a Python exception), ``timeout`` — whether every
 rank had already finished its work (a teardown failure), the first lines naming the crash, and
 the faulthandler stack of the crashed rank, the sha256 of its metrics) and the counts per layout.
@@ -176,6 +176,7 @@ def launch(args: argparse.Namespace, layout: str, sp: int, ulysses: int, index: 
         **check_env(args.check, args.perturb, logs / name),
     }
     cmd = command(args, sp, ulysses, name)
+    load_start = os.getloadavg()[0]
     t0 = time.perf_counter()
     timed_out = False
     try:
@@ -205,6 +206,7 @@ def launch(args: argparse.Namespace, layout: str, sp: int, ulysses: int, index: 
         "index": index,
         "returncode": rc,
         "wall_s": round(wall, 1),
+        "loadavg_1m": [round(load_start, 1), round(os.getloadavg()[0], 1)],  # at the start and the end
         "crashed": crashed,
         "kind": kind,
         "metrics_sha256": digest[:16] if metrics and not crashed else None,

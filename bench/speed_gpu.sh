@@ -15,6 +15,7 @@
 #   bash bench/speed_gpu.sh fit OUT         # the frame fit at 80 and 141 GiB, LoRA, both capped alike;
 #                                           # repeat until it prints "fit done" (it resumes its cases)
 #   bash bench/speed_gpu.sh precision OUT   # bench/attention_precision.py (issue 43 item 1, h43a's bench)
+#   bash bench/speed_gpu.sh step-lowp OUT   # the whole step, FP8 Linears + INT8 self-attention, VAE bf16
 #   bash bench/speed_gpu.sh mfu OUT         # bench/mfu_table.py over docs/bench/*.json + every stage's JSON
 #                                           # (CPU: also here, after fetching: MFU_INPUTS=DIR)
 #
@@ -27,7 +28,7 @@
 # fetch tool's yifan123/flow_grpo snapshot is 2025-07's, without the Wan script); `wheels` with
 # FLOW_GRPO_GIT=<the fetched git dir> extracts its flow_grpo/, scripts/ and config/ there (~10 MB).
 set -euo pipefail
-stage=${1:?stage: plan | wheels | profile | backends | backends2 | peer-lora | peer-full | fit | precision | mfu}
+stage=${1:?stage: plan | wheels | profile | backends | backends2 | peer-lora | peer-full | fit | precision | step-lowp | mfu}
 out=${2:?OUT folder}
 limit=${LIMIT:-570}
 py=${PY:-python3}
@@ -39,9 +40,10 @@ fit_frames=${FIT_FRAMES:-81 121 161 201 241}
 # stages: step_variants_h200.json init 52-95 s, warm-up rollout + compile ~73 s, measured step ~41 s;
 # peer_step_h200.json flow_grpo 2 steps ~125 s) | what it runs
 declare -A estimate=(
-  [profile]=260 [backends]=450 [backends2]=450 [peer-lora]=330 [peer-full]=340 [fit]=570 [precision]=570 [mfu]=5
+  [profile]=260 [backends]=450 [backends2]=450 [peer-lora]=330 [peer-full]=340 [fit]=570 [precision]=570 [step-lowp]=330
+  [mfu]=5
 )
-order="profile backends peer-lora precision | peer-full backends2 fit fit mfu"
+order="profile backends peer-lora precision | step-lowp peer-full backends2 fit fit mfu"
 
 run() {  # a command, or with DRY=1 its words
   if [ -n "${DRY:-}" ]; then
@@ -107,7 +109,7 @@ backend_cases() {  # one step bench per backend:checkpointing, each in the stage
 case "$stage" in
   plan)
     total=0
-    for s in profile backends backends2 peer-lora peer-full fit precision mfu; do
+    for s in profile backends backends2 peer-lora peer-full fit precision step-lowp mfu; do
       printf '%-10s ~%4s s\n' "$s" "${estimate[$s]}"; total=$((total + estimate[$s]))
     done
     first=0
@@ -189,6 +191,13 @@ case "$stage" in
         [ -f "$f" ] && [ "$n" -lt 6 ] && keep "$f" "precision_$(basename "$f")" && n=$((n + 1))
       done
     fi
+    ;;
+  step-lowp)  # the whole step with FP8 Linears and INT8 self-attention in the rollout, VAE in bf16:
+    # against the committed bf16 step with the VAE in bf16 (step_variants_h200.json, vae_bf16)
+    setup
+    run timeout "$limit" $py bench/step_bench.py --out "$scratch/step_lowp" --work "$scratch/work" --rewards jpeg \
+      --rollouts 2 --rollout-precision fp8 --attention-precision sage_int8 --vae-dtype bfloat16 2>&1 | log || stopped
+    keep "$scratch/step_lowp/jpeg.json" step_lowp.json
     ;;
   mfu)
     setup

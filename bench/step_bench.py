@@ -23,7 +23,8 @@ saving and export are switched off (they are the rehearsal's business). Writes `
 beside the next one's sampling (``rollout.overlap_decode``: the rollout phase then holds the hidden
 decodes, and decode + reward what is left of them); ``--vae-dtype bfloat16`` decodes in bf16
 (``model.vae_dtype``); ``--rollout-precision fp8`` samples the rollouts in float8
-(``rollout.precision``; the train phase then includes the bf16 old log-probs' recompute for the
+(``rollout.precision``; ``--attention-precision sage_int8`` their self-attention in INT8,
+``rollout.attention_precision``; the train phase then includes the bf16 old log-probs' recompute for the
 micro-batches of later optimizer steps, if any). ``--guidance``, ``--shift``, ``--text-tokens``,
 ``--micro-batch``, ``--lora-rank``/``--lora-alpha``/``--lora-targets`` replace the recipe's values
 (``bench/peer_step.py`` sets each on both sides); ``MILES_BENCH_MEMORY_CAP_GIB`` caps the measuring
@@ -148,6 +149,7 @@ def build_config(args, reward: str, model_path: Path, clip_path: Path | None):
         "reward.weights": {reward if reward == "pickscore" else "jpeg_incompressibility": 1.0},
         "reward.pickscore": PickScoreOptions(model_path=str(clip_path) if clip_path else None),
         "rollout.precision": args.rollout_precision,
+        "rollout.attention_precision": args.attention_precision,
         "rollout.overlap_decode": args.overlap_decode,
         "model.vae_dtype": args.vae_dtype,
         "parallel.deterministic_mode": args.deterministic_mode,
@@ -366,6 +368,7 @@ def run_one(args, reward: str, around=None) -> dict:
         "num_steps": r.num_steps,
         "num_sde_steps": num_sde,
         "rollout_precision": cfg.rollout.precision,
+        "attention_precision": cfg.rollout.attention_precision,
         "overlap_decode": cfg.rollout.overlap_decode,
         "guidance": cfg.rollout.guidance_scale,
         "shift": cfg.rollout.shift,
@@ -414,7 +417,9 @@ def markdown(results: list[dict]) -> str:
     head = (
         f"{first['model']}, {'x'.join(map(str, first['shape']))} ({first['tokens']} tokens), {first['samples']} samples, "
         f"{first['num_steps']} steps, {first['num_sde_steps']} SDE steps, "
-        f"{first.get('rollout_precision', 'bf16')} rollouts, VAE {first.get('vae_dtype', 'float32')}"
+        f"{first.get('rollout_precision', 'bf16')} rollouts"
+        f"{' with ' + first['attention_precision'] + ' self-attention' if first.get('attention_precision', 'bf16') != 'bf16' else ''}"
+        f", VAE {first.get('vae_dtype', 'float32')}"
         f"{', decode overlapped' if first.get('overlap_decode') else ''}"
         f"{', deterministic mode' if first.get('deterministic_mode') else ''}, "
         f"attention {first.get('attention_backend') or 'default'}, checkpointing "
@@ -451,6 +456,12 @@ def parser() -> argparse.ArgumentParser:
         choices=["bf16", "fp8"],
         default="bf16",
         help="rollout.precision (fp8: CUDA sm >= 89 and torchao; docs/fp8_rollout.md)",
+    )
+    ap.add_argument(
+        "--attention-precision",
+        choices=["bf16", "sage_int8"],
+        default="bf16",
+        help="rollout.attention_precision (sage_int8: CUDA, pip install -e '.[attn-lowp]'; docs/fp8_rollout.md)",
     )
     ap.add_argument(
         "--overlap-decode",

@@ -15,8 +15,9 @@
 #   NPROC_PER_NODE  processes (GPUs) per node (default: the GPUs nvidia-smi lists, else 1)
 #   RDZV_BACKEND    c10d (default: fault-tolerant join, any arrival order) or static
 #   RDZV_ID         rendezvous id shared by the nodes of one job (default: $SLURM_JOB_ID, else "miles")
-#   TORCHRUN        torchrun to use (default: python -m miles.launch, torchrun with quiet refusals;
-#                   the repository's .venv python if present)
+#   TORCHRUN        torchrun to use (default: python -m miles.launch, torchrun with quiet refusals)
+#   PYTHON          the python that runs miles.launch (default: the repository's .venv python if
+#                   present, else python3)
 #   TORCHRUN_ARGS   extra torchrun flags, word-split (e.g. "--max-restarts 0")
 #   TORCH_ELASTIC_SHUTDOWN_TIMEOUT  seconds torchrun waits, after a SIGINT/SIGTERM, for the workers
 #                   to save their checkpoint before it kills them (default here 100; torch's is 30)
@@ -43,11 +44,17 @@ fi
 if [[ -n "${TORCHRUN:-}" ]]; then
     LAUNCHER=("$TORCHRUN")
 else
-    if [[ -x "$ROOT/.venv/bin/python" ]]; then PYTHON="$ROOT/.venv/bin/python"; else PYTHON=python3; fi
+    if [[ -z "${PYTHON:-}" ]]; then
+        if [[ -x "$ROOT/.venv/bin/python" ]]; then PYTHON="$ROOT/.venv/bin/python"; else PYTHON=python3; fi
+    fi
     export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
     LAUNCHER=("$PYTHON" -m miles.launch)
 fi
 export NPROC_PER_NODE  # read by the dry run
+# The resume command a run prints starts with this script, as typed (miles/launch.py: launch_prefix);
+# slurm.sbatch sets its own.
+MILES_LAUNCH_WRAPPER="${MILES_LAUNCH_WRAPPER:-$(printf '%q' "$0")}"
+export MILES_LAUNCH_WRAPPER
 # A stopped run saves a checkpoint at its next safe point (miles/train/stop.py): give it time.
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-100}"
 

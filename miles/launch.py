@@ -15,7 +15,11 @@ exit code.
 
 The launcher also puts the command as typed in ``MILES_LAUNCH_COMMAND``, so that the resume command
 a run prints starts as the user's did (:func:`launch_prefix`; under plain torchrun it is read from
-the parent process's command line).
+the parent process's command line). A launch script that runs the launcher for the user
+(``launch/single_node.sh``, ``launch/multi_node.sh``, ``launch/slurm.sbatch``) puts its own command
+in ``MILES_LAUNCH_WRAPPER`` (the words before the training script's flags, shell-quoted): the resume
+command then starts with it, since that is what the user typed (and, on a multi-node run, what every
+node runs).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from pathlib import Path
 # directory, a checkpoint that does not fit) whose message the worker printed; 130, interrupted.
 QUIET_EXIT_CODES = (2, 130)
 LAUNCH_COMMAND_ENV = "MILES_LAUNCH_COMMAND"
+WRAPPER_ENV = "MILES_LAUNCH_WRAPPER"
 
 
 class _Held(logging.Handler):
@@ -118,10 +123,13 @@ def _as_typed(path: Path) -> str:
 
 
 def launch_prefix(script_argv: list[str]) -> list[str]:
-    """The words of the command as typed, up to and including the training script: the launcher's
-    (``MILES_LAUNCH_COMMAND``, set by :func:`main`), or torchrun's as read from the parent process
-    when this is a torchrun worker, or ``script_argv[0]`` alone (a single-process run)."""
+    """The words of the command as typed, up to and including the training script: a launch script's
+    (``MILES_LAUNCH_WRAPPER``: ``launch/multi_node.sh``, which takes the script's flags), the
+    launcher's (``MILES_LAUNCH_COMMAND``, set by :func:`main`), or torchrun's as read from the parent
+    process when this is a torchrun worker, or ``script_argv[0]`` alone (a single-process run)."""
     script = script_argv[0] if script_argv else "train_grpo.py"
+    if wrapper := shlex.split(os.environ.get(WRAPPER_ENV, "")):
+        return wrapper
     typed = os.environ.get(LAUNCH_COMMAND_ENV)
     words = shlex.split(typed) if typed else None
     if words is None and os.environ.get("TORCHELASTIC_RUN_ID"):

@@ -154,7 +154,8 @@ class RolloutConfig:
     num_steps: int = 8
     """Denoising steps per rollout."""
     shift: float = 3.0
-    """Flow-matching timestep shift (Wan: 3.0 at 480p, 5.0 at 720p)."""
+    """Flow-matching timestep shift (Wan: 3.0 at 480p, 5.0 at 720p). LTX: leave unset; its folder's
+    scheduler sets the schedule (shift from the token count, shift_terminal) and another value is refused."""
     guidance_scale: float = 4.0
     """CFG scale of the (high-noise) expert; <= 1 turns CFG off."""
     guidance_scale_2: float | None = None
@@ -346,7 +347,7 @@ RANGES: dict[str, tuple[str, str]] = {
     "rollout.height": ("(0, 4096]", "pixels, a multiple of 16"),
     "rollout.width": ("(0, 4096]", "pixels, a multiple of 16"),
     "rollout.num_steps": ("[2, 1000]", "the scheduler has 1000 timesteps"),
-    "rollout.shift": ("(0, 100]", "Wan uses 3.0 at 480p, 5.0 at 720p"),
+    "rollout.shift": ("(0, 100]", "Wan uses 3.0 at 480p, 5.0 at 720p; LTX: unset, the folder's schedule"),
     "rollout.guidance_scale": ("[0, 100]", "<= 1 turns CFG off; Wan uses 5"),
     "rollout.guidance_scale_2": ("[0, 100]", "<= 1 turns CFG off; Wan uses 5"),
     "rollout.noise_level": ("[0, 10]", "Flow-GRPO uses 0.7"),

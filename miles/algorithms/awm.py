@@ -28,7 +28,7 @@ from typing import ClassVar, Literal
 import torch
 from torch import Tensor
 
-from miles.algorithms.base import Policy
+from miles.algorithms.base import Policy, run_schedule
 from miles.algorithms.matching import (
     OnPolicyMatching,
     check_num_levels,
@@ -43,6 +43,7 @@ from miles.algorithms.matching import (
 )
 from miles.algorithms.registry import register_algorithm
 from miles.rollout.batch import MicroBatch, RolloutBatch
+from miles.rollout.schedule import FlowSchedule
 
 _METRICS = ("loss", "policy_loss", "matching_loss", "kl", "ema_kl")
 _EPS = 1e-10
@@ -124,7 +125,7 @@ class AWM(OnPolicyMatching):
     name = "awm"
     summary = "Advantage Weighted Matching — ODE rollouts, the pretraining flow-matching loss on their clean samples weighted by the group advantage (section ``awm``)."
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, schedule: FlowSchedule | None = None):
         self.awm, self.grpo = cfg.awm, cfg.grpo
         self.uses_reference = cfg.awm.kl_beta > 0
         self.uses_old_policy = cfg.awm.ema_kl_beta > 0  # the lagging copy of the EMA term
@@ -132,7 +133,9 @@ class AWM(OnPolicyMatching):
             raise ValueError(f"awm.ema_decay_max must be in [0, 1), got {cfg.awm.ema_decay_max}")
         self.lagging_decay = ("ema_decay", cfg.awm.ema_decay_rate, cfg.awm.ema_decay_max)
         r = cfg.rollout
-        self.candidates = level_candidates(r.num_steps, r.shift, cfg.awm.timestep_fraction)
+        self.candidates = level_candidates(
+            r.num_steps, run_schedule(cfg, schedule), cfg.awm.timestep_fraction
+        )
         check_num_levels("awm", cfg.awm.num_levels, self.candidates)
 
     def forwards_per_sample(self, batch: RolloutBatch) -> int:

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from miles.rollout.batch import MicroBatch, RolloutBatch
+from miles.rollout.schedule import FlowSchedule
 
 
 @dataclass
@@ -41,6 +42,12 @@ class Policy:
     rank given the same parts (key draws by global sample index for layout-independent runs)."""
     old: object | None = None
     """The old policy (``miles.train.old_policy.OldPolicy``) where the algorithm asks for one."""
+
+
+def run_schedule(cfg, schedule: FlowSchedule | None) -> FlowSchedule:
+    """The run's noise schedule: the model family's (``RunPlan.schedule``, given to ``build_algorithm``),
+    else Wan's, ``rollout.shift`` on the sampler's grid (an algorithm built from a config alone)."""
+    return schedule if schedule is not None else FlowSchedule(shift=cfg.rollout.shift)
 
 
 class Algorithm(abc.ABC):

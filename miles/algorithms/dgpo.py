@@ -35,7 +35,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from miles.algorithms.base import Policy
+from miles.algorithms.base import Policy, run_schedule
 from miles.algorithms.matching import (
     OnPolicyMatching,
     check_group_per_step,
@@ -51,6 +51,7 @@ from miles.algorithms.matching import (
 )
 from miles.algorithms.registry import register_algorithm
 from miles.rollout.batch import MicroBatch, RolloutBatch
+from miles.rollout.schedule import FlowSchedule
 
 _METRICS = ("loss", "policy_loss", "matching_loss", "kl", "group_weight", "clipfrac")
 
@@ -141,7 +142,7 @@ class DGPO(OnPolicyMatching):
     name = "dgpo"
     summary = "Direct Group Preference Optimization — ODE rollouts, a group-level preference loss on the flow-matching errors (section ``dgpo``)."
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, schedule: FlowSchedule | None = None):
         self.dgpo, self.grpo = cfg.dgpo, cfg.grpo
         d = cfg.dgpo
         self.uses_old_policy = d.clip_range > 0 or d.ema_reference
@@ -150,7 +151,7 @@ class DGPO(OnPolicyMatching):
             raise ValueError(f"dgpo.old_decay_max must be in [0, 1), got {d.old_decay_max}")
         self.lagging_decay = ("old_decay", d.old_decay_rate, d.old_decay_max)
         r = cfg.rollout
-        self.candidates = level_candidates(r.num_steps, r.shift, d.timestep_fraction)
+        self.candidates = level_candidates(r.num_steps, run_schedule(cfg, schedule), d.timestep_fraction)
         check_group_per_step("dgpo", cfg)
         check_num_levels("dgpo", d.num_levels, self.candidates)
 

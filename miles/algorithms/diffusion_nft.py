@@ -33,12 +33,13 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from miles.algorithms.base import Algorithm, Policy
+from miles.algorithms.base import Algorithm, Policy, run_schedule
 from miles.algorithms.registry import register_algorithm
 from miles.config_load import MAX_STEPS
 from miles.rollout.batch import MicroBatch, RolloutBatch
 from miles.rollout.condition import generated
 from miles.rollout.sampler import NUM_TRAIN_TIMESTEPS, flow_sigmas, predict_velocity
+from miles.rollout.schedule import FlowSchedule
 
 _METRICS = ("loss", "policy_loss", "positive_loss", "negative_loss", "old_deviation", "kl")
 
@@ -114,11 +115,11 @@ class DiffusionNFT(Algorithm):
     summary = "ODE rollouts of an old policy and the forward-process loss on their clean samples, CFG-free (section ``nft``; advantages from ``grpo``)."
     uses_old_policy = True
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, schedule: FlowSchedule | None = None):
         self.nft, self.rollout, self.grpo = cfg.nft, cfg.rollout, cfg.grpo
         self.uses_reference = cfg.nft.kl_beta > 0
         T = cfg.rollout.num_steps
-        self.sigmas = flow_sigmas(T, cfg.rollout.shift)[:T]  # the T noise levels of the rollout
+        self.sigmas = flow_sigmas(T, run_schedule(cfg, schedule))[:T]  # the T noise levels of the rollout
         self.num_levels = max(1, int(self.nft.timestep_fraction * T))
 
     def sde_steps(self, num_steps: int, generator: torch.Generator) -> list[int]:

@@ -41,6 +41,7 @@ from miles.console import rank
 from miles.grpo.losses import grpo_policy_loss, policy_log_ratio
 from miles.rollout.batch import MicroBatch, RolloutBatch
 from miles.rollout.sampler import compute_log_prob, sde_step_indices
+from miles.rollout.schedule import FlowSchedule
 from miles.rollout.sde import sde_std_dev, wan_sde_std_dev
 
 _METRICS = ("loss", "policy_loss", "kl", "clipfrac", "approx_kl", "ratio")
@@ -101,7 +102,7 @@ class FlowGRPO(Algorithm):
     ratio_norm = False
     trains_clipped_ratio = True
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, schedule: FlowSchedule | None = None):
         self.rollout, self.grpo = cfg.rollout, cfg.grpo
         self.uses_reference = cfg.grpo.kl_beta > 0
         self.kl_beta = cfg.grpo.kl_beta  # train.guard kl raises it (scale_kl)

@@ -30,9 +30,10 @@ from miles.algorithms.base import Algorithm, Policy
 from miles.rollout.batch import MicroBatch, RolloutBatch
 from miles.rollout.condition import generated
 from miles.rollout.sampler import NUM_TRAIN_TIMESTEPS, flow_sigmas, predict_velocity
+from miles.rollout.schedule import FlowSchedule
 
 
-def level_candidates(num_steps: int, shift: float, fraction: float) -> Tensor:
+def level_candidates(num_steps: int, shift: float | FlowSchedule, fraction: float) -> Tensor:
     """The first max(1, floor(fraction·T)) noise levels of the rollout's T-step grid (from σ = 1 down)."""
     sigmas = flow_sigmas(num_steps, shift)[:num_steps]
     return sigmas[: max(1, int(fraction * num_steps))]

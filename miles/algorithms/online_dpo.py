@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from miles.algorithms.base import Algorithm, Policy
+from miles.algorithms.base import Algorithm, Policy, run_schedule
 from miles.algorithms.matching import (
     check_group_per_step,
     check_num_levels,
@@ -47,6 +47,7 @@ from miles.algorithms.matching import (
 from miles.algorithms.registry import register_algorithm
 from miles.config_load import MAX_STEPS
 from miles.rollout.batch import MicroBatch, RolloutBatch
+from miles.rollout.schedule import FlowSchedule
 
 _METRICS = ("loss", "implicit_accuracy", "pairs_per_group", "matching_loss", "reference_matching_loss")
 
@@ -128,12 +129,14 @@ class OnlineDPO(Algorithm):
     name = "online_dpo"
     summary = "Diffusion-DPO on pairs drawn from each group of ODE rollouts (section ``dpo``)."
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, schedule: FlowSchedule | None = None):
         self.dpo, self.steps_per_rollout = cfg.dpo, cfg.train.steps_per_rollout
         self.uses_old_policy = cfg.dpo.ref_update_every > 0  # the periodically copied reference
         self.uses_reference = not self.uses_old_policy
         r = cfg.rollout
-        self.candidates = level_candidates(r.num_steps, r.shift, cfg.dpo.timestep_fraction)
+        self.candidates = level_candidates(
+            r.num_steps, run_schedule(cfg, schedule), cfg.dpo.timestep_fraction
+        )
         check_group_per_step("online_dpo", cfg)
         check_num_levels("dpo", cfg.dpo.num_levels, self.candidates)
 

@@ -14,6 +14,7 @@ import dataclasses
 from collections.abc import Callable
 
 from miles.algorithms.base import Algorithm
+from miles.rollout.schedule import FlowSchedule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,9 +95,11 @@ def algorithm_errors(cfg) -> list[str]:
     return entry.cls.check(cfg) if entry is not None else []
 
 
-def build_algorithm(cfg) -> Algorithm:
-    """The algorithm of ``cfg.algorithm.name``, built from the whole config."""
+def build_algorithm(cfg, schedule: FlowSchedule | None = None) -> Algorithm:
+    """The algorithm of ``cfg.algorithm.name``, built from the whole config and the model family's
+    noise schedule (``RunPlan.schedule``: the noise levels a matching loss draws are the rollout's);
+    None: Wan's, ``rollout.shift`` on the sampler's grid."""
     name = cfg.algorithm.name
     if name not in _REGISTRY:
         raise ValueError(f"unknown algorithm.name {name!r}; registered: {registered_algorithms()}")
-    return _REGISTRY[name].cls(cfg)
+    return _REGISTRY[name].cls(cfg, schedule)

@@ -28,12 +28,13 @@ from typing import ClassVar, Literal
 import torch
 from torch import Tensor
 
-from miles.algorithms.base import Algorithm, Policy
+from miles.algorithms.base import Algorithm, Policy, run_schedule
 from miles.algorithms.registry import register_algorithm
 from miles.dtypes import compute_dtype
 from miles.rollout.batch import MicroBatch, RolloutBatch
 from miles.rollout.condition import generated
 from miles.rollout.sampler import NUM_TRAIN_TIMESTEPS, call_expert
+from miles.rollout.schedule import FlowSchedule
 
 _METRICS = ("loss", "sigma_mean")
 
@@ -54,7 +55,7 @@ class SFTConfig:
     """How ``algorithm.name sft`` draws each sample's noise level before the shift: ``uniform`` u ~ U(0, 1),
     or ``logit_normal`` u = sigmoid(logit_mean + logit_std * N(0, 1)) (SD3); then sigma = shift*u / (1 + (shift - 1)*u)."""
     shift: float | None = None
-    """The time shift applied to u (Wan: 3.0 at 480p, 5.0 at 720p); None: rollout.shift; 1: none."""
+    """The time shift applied to u (Wan: 3.0 at 480p, 5.0 at 720p); None: the model family's (Wan: rollout.shift); 1: none."""
     logit_mean: float = 0.0
     """``logit_normal``: the mean of the normal before the sigmoid."""
     logit_std: float = 1.0
@@ -131,9 +132,9 @@ class SFT(Algorithm):
             )
         return errors
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, schedule: FlowSchedule | None = None):
         self.sft = cfg.sft
-        self.shift = cfg.sft.shift if cfg.sft.shift is not None else cfg.rollout.shift
+        self.shift = cfg.sft.shift if cfg.sft.shift is not None else run_schedule(cfg, schedule).shift
 
     def sde_steps(self, num_steps: int, generator: torch.Generator) -> list[int]:
         return []  # nothing is sampled

@@ -9,7 +9,7 @@ so every layout evaluates the same micro-batches — dp4 and dp2 × sp2 give the
 
 Two samplers:
 
-- ``rollout``: the rollout's own uniform shifted grid (``rollout.num_steps``, ``rollout.shift``)
+- ``rollout``: the rollout's own schedule (``rollout.num_steps``, the family's ``rollout_schedule``: ``rollout.shift`` for Wan)
   with Euler (ODE) steps and the rollout's CFG — what training optimises, without its noise.
 - ``pipeline``: the checkpoint's own scheduler, stepped as its diffusers pipeline steps it (real
   Wan folders ship UniPC with a flow shift) — what users see at inference.
@@ -26,9 +26,11 @@ import torch.distributed as dist
 from torch import nn
 
 from miles.console import progress_bar
+from miles.models.family import rollout_schedule
 from miles.rollout.condition import conditions_of
 from miles.rollout.guidance import guidance_scales
 from miles.rollout.sampler import begin_sampling, expert_phases, predict_velocity, sample_with_logprob
+from miles.rollout.schedule import FlowSchedule
 
 _EVAL_STREAM = 4
 """Tag of the evaluation noise stream (the trainer's rollout streams are 1-3)."""
@@ -40,7 +42,8 @@ class EvalSettings:
 
     latent_shape: tuple[int, int, int, int]
     num_steps: int
-    shift: float
+    shift: float | FlowSchedule
+    """The family's noise schedule (``rollout_schedule``), or a Wan shift."""
     guidance_scales: list[float]
     routing: object  # the model family's ExpertRouting (model.routing)
     micro_batch_size: int
@@ -58,7 +61,7 @@ def eval_settings(cfg, model) -> EvalSettings:
     return EvalSettings(
         latent_shape=model.latent_shape(r.num_frames, r.height, r.width),
         num_steps=cfg.eval.num_steps or r.num_steps,
-        shift=r.shift,
+        shift=rollout_schedule(model, r),
         guidance_scales=guidance_scales(r, len(model.transformers)),
         routing=model.routing,
         micro_batch_size=cfg.train.micro_batch_size,

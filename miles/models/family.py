@@ -8,7 +8,8 @@ the sampler and export go through the three Protocols below, never through a fam
 - :class:`ModelFamily`: loads a folder (whole, as skeletons, or as configs only for the run
   plan), names its expert folders (the export layout) and saves LoRA adapters;
 - :class:`FamilyModel`: a loaded folder: the experts, the frozen text encoder and VAE
-  (``pipeline``), prompt/image/video encoding, decoding, the SP plan, block calibration;
+  (``pipeline``), prompt/image/video encoding, decoding, the noise schedule (``flow_schedule``,
+  :func:`rollout_schedule`), the SP plan, block calibration;
 - :class:`ExpertRouting`: which expert denoises at a timestep, and the timestep it takes.
 
 A folder's family is the one that claims the pipeline class its ``model_index.json`` names
@@ -26,6 +27,7 @@ from torch import Tensor, nn
 
 from miles.models.families import FAMILIES
 from miles.models.folder import read_pipeline_index, resolve_model_path
+from miles.rollout.schedule import FlowSchedule
 
 
 class ExpertRouting(Protocol):
@@ -89,6 +91,13 @@ class FamilyModel(Protocol):
         bytes per output pixel, per channel of d, per byte of the VAE's dtype (``miles.train.memory_budget``)."""
         ...
 
+    def flow_schedule(self, rollout, num_tokens: int) -> FlowSchedule:
+        """The noise schedule the sampler denoises on for the run's rollout section ``rollout`` at
+        ``num_tokens`` tokens a sample: ``rollout.shift`` on the sampler's grid, or the folder's own
+        scheduler (its shift from the token count, a terminal σ), which refuses a ``rollout.shift``
+        set by hand with a ``ValueError`` naming the fix."""
+        ...
+
     def text_length_warnings(self, max_sequence_length: int) -> list[str]:
         """Warnings about a text length the family's transformers do not expect (the plan prints them)."""
         ...
@@ -133,7 +142,15 @@ class ModelFamily(Protocol):
         """Save one expert's LoRA adapter (diffusers' ``save_lora_weights`` arguments)."""
 
 
-__all__ = ["FAMILIES", "ExpertRouting", "FamilyModel", "ModelFamily", "family_of", "model_folder"]
+__all__ = [
+    "FAMILIES",
+    "ExpertRouting",
+    "FamilyModel",
+    "ModelFamily",
+    "family_of",
+    "model_folder",
+    "rollout_schedule",
+]
 
 
 def model_folder(model_cfg) -> Path:
@@ -150,3 +167,9 @@ def family_of(path: Path) -> ModelFamily:
             return family
     known = "; ".join(f"{f.name}: {sorted(f.pipeline_classes)}" for f in FAMILIES.values())
     raise ValueError(f"model.path {path} holds a {name}, which no model family reads ({known})")
+
+
+def rollout_schedule(model: FamilyModel, rollout) -> FlowSchedule:
+    """The noise schedule of the rollout section ``rollout`` on ``model``'s folder, at the rollout's
+    token count: what the sampler, the algorithms' noise levels, evaluation and the dry run use."""
+    return model.flow_schedule(rollout, model.num_tokens(rollout.num_frames, rollout.height, rollout.width))

@@ -15,7 +15,8 @@ its ``ExpertRouting``):
 - the latent is normalised with the VAE's ``latents_mean``/``latents_std`` buffers and
   ``scaling_factor`` (``LTXPipeline._normalize_latents``), decoded with the VAE's timestep
   conditioning at ``decode_timestep`` 0, the pipeline's default;
-- the scheduler's shift comes from the token count (``calculate_shift``): :meth:`LTXModel.flow_shift`;
+- the noise schedule is the folder's scheduler as ``LTXPipeline`` sets it (the shift from the token
+  count, ``calculate_shift``, and the ``shift_terminal`` stretch): :func:`ltx_flow_schedule`;
 - sequence parallelism: the family plan of :mod:`miles.models.ltx_sp` (the text and its mask stay
   whole on every rank, USP in self-attention only).
 """
@@ -23,7 +24,7 @@ its ``ExpertRouting``):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path
 
 import torch
@@ -31,6 +32,7 @@ from torch import Tensor, nn
 
 from miles.models.dtypes import DTYPES, text_encoder_dtype
 from miles.models.folder import read_json, read_pipeline_index
+from miles.rollout.schedule import FlowSchedule
 
 EXPERT_FOLDERS = ("transformer",)
 LTX_PIPELINES = frozenset({"LTXPipeline"})
@@ -165,21 +167,10 @@ class LTXModel:
         cfg = self.transformers[0].config
         return (f // cfg.patch_size_t) * (h // cfg.patch_size) * (w // cfg.patch_size)
 
-    def flow_shift(self, num_tokens: int) -> float:
-        """The time shift exp(μ) of ``LTXPipeline``'s schedule for ``num_tokens`` (``calculate_shift``
-        over the scheduler's base/max sequence lengths and shifts): the sampler's ``rollout.shift``
-        (σ' = shift·σ / (1 + (shift − 1)·σ) is the scheduler's exponential time shift at μ = ln shift)."""
-        from diffusers.pipelines.ltx.pipeline_ltx import calculate_shift
-
-        c = self.scheduler_config
-        mu = calculate_shift(
-            num_tokens,
-            c.get("base_image_seq_len", 256),
-            c.get("max_image_seq_len", 4096),
-            c.get("base_shift", 0.5),
-            c.get("max_shift", 1.15),
-        )
-        return math.exp(mu)
+    def flow_schedule(self, rollout, num_tokens: int) -> FlowSchedule:
+        """``LTXPipeline``'s noise schedule at ``num_tokens`` tokens a sample, from the folder's
+        scheduler config (:func:`ltx_flow_schedule`); a ``rollout.shift`` set by hand is refused."""
+        return ltx_flow_schedule(self.scheduler_config, num_tokens, rollout)
 
     def sequence_parallel_plan(self, transformer: nn.Module):
         from miles.models.ltx_sp import ltx_sequence_parallel_plan
@@ -268,6 +259,58 @@ def _latent_stats(vae, z: Tensor) -> tuple[Tensor, Tensor]:
         vae.latents_mean.view(view).to(z.device, z.dtype),
         vae.latents_std.view(view).to(z.device, z.dtype),
     )
+
+
+# FlowMatchEulerDiscreteScheduler options the sampler's schedule does not implement (their defaults).
+_UNSUPPORTED_SCHEDULER = {
+    "use_karras_sigmas": False,
+    "use_exponential_sigmas": False,
+    "use_beta_sigmas": False,
+    "invert_sigmas": False,
+    "time_shift_type": "exponential",
+}
+
+
+def ltx_flow_schedule(config: dict, num_tokens: int, rollout=None) -> FlowSchedule:
+    """The schedule ``LTXPipeline`` sets on its scheduler (``retrieve_timesteps(..., sigmas=linspace(1,
+    1/T, T), mu=calculate_shift(tokens, ...))``) for the scheduler config ``config``: the dynamic
+    shift's μ from the token count (``use_dynamic_shifting``) or the config's static ``shift``, then
+    ``shift_terminal``. ``rollout`` (the run's rollout section): its ``shift`` left at the default,
+    else a ``ValueError`` (the folder owns the schedule)."""
+    from diffusers.pipelines.ltx.pipeline_ltx import calculate_shift
+
+    odd = {k: config[k] for k, default in _UNSUPPORTED_SCHEDULER.items() if config.get(k, default) != default}
+    if odd:
+        raise ValueError(
+            f"the LTX-Video folder's scheduler sets {odd}, which the sampler's schedule does not implement "
+            f"(it follows FlowMatchEulerDiscreteScheduler's exponential time shift on LTXPipeline's grid)"
+        )
+    terminal = config.get("shift_terminal") or None
+    if config.get("use_dynamic_shifting", False):
+        mu = calculate_shift(
+            num_tokens,
+            config.get("base_image_seq_len", 256),
+            config.get("max_image_seq_len", 4096),
+            config.get("base_shift", 0.5),
+            config.get("max_shift", 1.15),
+        )
+        source = f"the folder's scheduler (dynamic shift at {num_tokens} tokens)"
+        schedule = FlowSchedule(
+            shift=math.exp(mu), mu=mu, shift_terminal=terminal, grid="pipeline", source=source
+        )
+    else:
+        shift = float(config.get("shift", 1.0))
+        source = "the folder's scheduler (static shift)"
+        schedule = FlowSchedule(shift=shift, shift_terminal=terminal, grid="pipeline", source=source)
+    defaults = {f.name: f.default for f in fields(rollout)} if is_dataclass(rollout) else {}
+    if "shift" in defaults and rollout.shift != defaults["shift"]:
+        raise ValueError(
+            f"rollout.shift {rollout.shift:g}: an LTX-Video folder sets its own noise schedule ({schedule.source}: "
+            f"shift {schedule.shift:.4g}"
+            + (f", shift_terminal {terminal:g}" if terminal else "")
+            + "); remove rollout.shift from the recipe (the dry run prints the schedule)"
+        )
+    return schedule
 
 
 def check_ltx_folder(path: Path) -> dict:

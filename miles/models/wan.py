@@ -23,6 +23,7 @@ from miles.models.folder import read_json, read_pipeline_index, resolve_model_pa
 from miles.models.i2v import check_i2v_run, condition_mode, encode_image_condition, text_pipeline
 from miles.rollout.condition import ImageCondition
 from miles.rollout.sampler import NUM_TRAIN_TIMESTEPS, diffusers_call
+from miles.rollout.schedule import FlowSchedule
 
 EXPERT_FOLDERS = ("transformer", "transformer_2")  # high noise, low noise
 WAN_PIPELINES = frozenset({"WanPipeline", "WanImageToVideoPipeline", "WanVideoToVideoPipeline"})
@@ -135,6 +136,11 @@ class WanModel:
         """(d, k) of this model's VAE decoder for the memory plan (:func:`vae_decoder_memory`)."""
         vae = getattr(self.pipeline, "vae", None)
         return vae_decoder_memory(vae.config) if getattr(vae, "config", None) is not None else (0, 0.0)
+
+    def flow_schedule(self, rollout, num_tokens: int) -> FlowSchedule:
+        """Wan's noise schedule: ``rollout.shift`` (the recipe's: 3.0 at 480p, 5.0 at 720p) on the
+        sampler's even grid, whatever the token count (:func:`miles.rollout.schedule.flow_sigmas`)."""
+        return FlowSchedule(shift=rollout.shift)
 
     def text_length_warnings(self, max_sequence_length: int) -> list[str]:
         """Wan's image-to-video transformers split their context at 512 text tokens (the image's

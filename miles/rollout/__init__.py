@@ -5,16 +5,17 @@ from miles.rollout.sampler import (
     Rollout,
     cfg_combine,
     compute_log_prob,
-    flow_sigmas,
     initial_noise,
     predict_velocity,
     sample_with_logprob,
     sde_step_indices,
 )
+from miles.rollout.schedule import FlowSchedule, flow_sigmas
 from miles.rollout.sde import SDEStep, ode_step, sde_step_with_logprob
 
 __all__ = [
     "NUM_TRAIN_TIMESTEPS",
+    "FlowSchedule",
     "Rollout",
     "SDEStep",
     "cfg_combine",

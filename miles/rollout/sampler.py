@@ -7,10 +7,12 @@ under the current weights (the GRPO update). Both go through ``predict_velocity`
 expert routing are the same code on both sides: with unchanged weights and the same batch the
 recompute equals the rollout's log-prob bit for bit (fp32, CPU).
 
-- Schedule: σ_i = shift·s/(1 + (shift − 1)·s) with s = 1 − i/T, i = 0..T (σ_0 = 1, σ_T = 0)
-  and timestep t = 1000·σ. This is the shift of Wan's FlowMatch/UniPC schedulers on
-  DanceGRPO's evenly spaced grid; diffusers' schedulers use slightly different grids (UniPC
-  starts at shift(0.999), FlowMatchEuler ends at ~shift(1/1000)) — the endpoints here are exact.
+- Schedule: the model family's (``miles.rollout.schedule``), timestep t = 1000·σ. Wan's (a float
+  ``shift``): σ_i = shift·s/(1 + (shift − 1)·s) with s = 1 − i/T, i = 0..T (σ_0 = 1, σ_T = 0),
+  the shift of Wan's FlowMatch/UniPC schedulers on DanceGRPO's evenly spaced grid; diffusers'
+  schedulers use slightly different grids (UniPC starts at shift(0.999), FlowMatchEuler ends at
+  ~shift(1/1000)) — the endpoints here are exact. LTX-Video's (a ``FlowSchedule``): its
+  scheduler's as ``LTXPipeline`` sets it (dynamic shift from the token count, ``shift_terminal``).
 - SDE steps: the first ⌈fraction·T⌉ steps, or a window of ``sde_window_size`` steps whose start
   is drawn each rollout from ``[lo, hi)`` (flow_grpo's "SDE window"). The last step (to σ = 0)
   is never an SDE step: noise injected there would land in the output with no later step to
@@ -56,20 +58,11 @@ from torch import Tensor, nn
 
 from miles.dtypes import compute_dtype
 from miles.rollout.condition import ImageCondition, generated
+from miles.rollout.schedule import FlowSchedule, flow_sigmas
 from miles.rollout.sde import SDE_STEPS, ode_step
 
 NUM_TRAIN_TIMESTEPS = 1000
 """Wan's ``num_train_timesteps``: the model is conditioned on t = 1000·σ."""
-
-
-def flow_sigmas(num_steps: int, shift: float = 1.0) -> Tensor:
-    """The (num_steps + 1,) fp32 sigma schedule from 1 to 0, time-shifted as in Wan."""
-    if num_steps < 1:
-        raise ValueError(f"num_steps must be >= 1, got {num_steps}")
-    if shift <= 0:
-        raise ValueError(f"shift must be > 0, got {shift}")
-    s = torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float64)
-    return (shift * s / (1 + (shift - 1) * s)).float()
 
 
 def sde_step_indices(
@@ -303,7 +296,9 @@ def initial_noise(
     return noise.repeat_interleave(group_size, dim=0).to(device)
 
 
-def expert_phases(num_steps: int, shift: float, routing, num_experts: int) -> list[tuple[int, int, int]]:
+def expert_phases(
+    num_steps: int, shift: float | FlowSchedule, routing, num_experts: int
+) -> list[tuple[int, int, int]]:
     """``(expert, start, stop)`` for each expert's run of denoising steps, in order, empty runs left
     out: a rollout that gathers one expert at a time runs every batch's ``start..stop - 1``."""
     switch = expert_switch_step(num_steps, shift, routing, num_experts)
@@ -347,7 +342,7 @@ def begin_sampling(
     latent_shape: Sequence[int],
     *,
     num_steps: int,
-    shift: float,
+    shift: float | FlowSchedule,
     guidance_scales: float | Sequence[float],
     routing=None,
     noise_level: float,
@@ -367,6 +362,8 @@ def begin_sampling(
     """The state of a batch about to be denoised (initial noise drawn, SDE steps chosen).
 
     Args:
+        shift: the time shift of Wan's schedule, or the model family's noise schedule
+            (``FlowSchedule``, ``FamilyModel.flow_schedule``): :func:`flow_sigmas`.
         routing: the model family's ``ExpertRouting`` (``model.routing``); None: one expert, one
             timestep per sample.
         prompt_embeds: (B, L, D) text embeddings, one row per sample (groups contiguous); they may
@@ -523,7 +520,7 @@ class SamplingRun:
         )
 
 
-def expert_switch_step(num_steps: int, shift: float, routing, num_experts: int) -> int:
+def expert_switch_step(num_steps: int, shift: float | FlowSchedule, routing, num_experts: int) -> int:
     """The first denoising step the low-noise expert takes (``num_steps`` when it takes none):
     steps before it route to ``transformers[0]``, steps from it on to ``transformers[1]``
     (timesteps fall monotonically). Computed from the sampler's own fp32 schedule and routing rule."""

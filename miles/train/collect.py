@@ -19,7 +19,7 @@ from miles.algorithms import Algorithm, Policy
 from miles.config import Config
 from miles.data.prompts import GroupSampler, Prompt
 from miles.models.dtypes import DTYPES
-from miles.models.family import FamilyModel
+from miles.models.family import FamilyModel, rollout_schedule
 from miles.parallel.fsdp import unsharded_for_rollout
 from miles.rollout.attention import rollout_attention
 from miles.rollout.batch import MicroBatch, RolloutBatch
@@ -28,6 +28,7 @@ from miles.rollout.guidance import guidance_scales
 from miles.rollout.precision import rollout_precision
 from miles.rollout.prompt_cache import PromptCache
 from miles.rollout.sampler import begin_sampling, expert_phases
+from miles.rollout.schedule import FlowSchedule
 from miles.train.overlap import DecodeAhead
 from miles.train.stop import StopRequested, maybe_inject_signal
 
@@ -107,6 +108,11 @@ class Collector:
     # are sampled (miles.train.overlap.DecodeAhead); what it returns is the micro-batch's ``video``.
     decode_ahead: Callable[[int, torch.Tensor], Any] | None = None
 
+    @property
+    def schedule(self) -> FlowSchedule:
+        """The family's noise schedule at the rollout's size (as the plan's, ``rollout_schedule``)."""
+        return rollout_schedule(self.model, self.cfg.rollout)
+
     def collect(self, rollout_index: int) -> RolloutBatch:
         """Sample this rank's prompt groups in fixed micro-batches; the noise of every sample is a
         function of its global index in the rollout batch only."""
@@ -146,7 +152,7 @@ class Collector:
                     neg,
                     latent_shape,
                     num_steps=r.num_steps,
-                    shift=r.shift,
+                    shift=self.schedule,
                     guidance_scales=guidance_scales(r, len(self.model.transformers)),
                     routing=self.model.routing,
                     noise_level=r.noise_level,
@@ -206,7 +212,7 @@ class Collector:
         videos = [None] * len(runs)
         cfg, r = self.cfg, self.cfg.rollout
         experts = self.algorithm.rollout_transformers(self.policy)
-        phases = expert_phases(r.num_steps, r.shift, self.model.routing, len(experts))
+        phases = expert_phases(r.num_steps, self.schedule, self.model.routing, len(experts))
         for phase, (e, start, stop) in enumerate(phases):
             with (
                 unsharded_for_rollout(

@@ -222,6 +222,7 @@ def _sequence_lines(seq: dict, sp: int) -> list[str]:
         f"          {seq['text_tokens']} text tokens; {seq['samples_per_rank']} samples per dp rank, micro batch "
         f"{seq['micro_batch']}{cfg_note} per forward; {seq['num_sde_steps']} SDE steps trained"
         + _precision_note(seq),
+        f"schedule  {seq['schedule']}",
     ]
 
 

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from miles.models.dtypes import DTYPES
+from miles.models.family import rollout_schedule
 from miles.parallel.compile import resolve_compile
 from miles.train.memory_budget import (
     ALLOCATOR_SLACK,
@@ -39,6 +40,10 @@ def sequence_report(cfg, facts) -> tuple[dict, RolloutShape, list[str]]:
     r, dims, model = cfg.rollout, facts.dims, facts.model
     try:
         num_sde_steps = count_sde_steps(cfg)
+        schedule = rollout_schedule(model, r)  # the family's (an LTX folder's own, from its token count)
+        sigmas = schedule.sigmas(r.num_steps)
+        if cfg.eval.num_steps:
+            schedule.sigmas(cfg.eval.num_steps)
     except ValueError as e:
         raise ValueError(f"invalid rollout schedule: {e}") from None
     warnings = list(model.text_length_warnings(cfg.data.max_sequence_length))
@@ -60,6 +65,8 @@ def sequence_report(cfg, facts) -> tuple[dict, RolloutShape, list[str]]:
             "micro_batch": cfg.train.micro_batch_size,  # samples per forward, in rollout and training alike
             "cfg_factor": cfg_factor(cfg, len(model.transformers)),
             "num_sde_steps": num_sde_steps,
+            "schedule": schedule.describe(r.num_steps),
+            "sigmas": sigmas.tolist(),
             "rollout_precision": r.precision,
             "rollout_attention_precision": r.attention_precision,
             "tis_cap": r.tis_cap,

@@ -108,9 +108,22 @@ _FRESH_START_FLAGS = ("--train.no-resume", "--train.overwrite")
 def resume_command(argv: list[str], script: str = "train_grpo.py") -> str:
     """The command that resumes the launch of ``argv`` (the script's flags, less those of a fresh
     start), as the user typed it: ``torchrun --nproc-per-node 4 train_grpo.py ...`` under torchrun
-    (miles/launch.py: ``launch_prefix``)."""
-    words = [*launch_prefix([script]), *(a for a in argv if a not in _FRESH_START_FLAGS)]
-    return " ".join(shlex.quote(w) for w in words)
+    (miles/launch.py: ``launch_prefix``). A secret never shows: a secret flag (the reward server's
+    token) is left out, with a note to give the token through ``$MILES_REWARD_TOKEN`` (which the reward
+    client reads) or that flag again, and any other occurrence of a known secret reads ``<redacted>``."""
+    from miles.rewards.remote import TOKEN_ENV
+    from miles.train.redact import redact_argv, secret_values, without_secret_flags
+
+    kept, dropped = without_secret_flags([a for a in argv if a not in _FRESH_START_FLAGS])
+    words = redact_argv([*launch_prefix([script]), *kept], secret_values())
+    command = " ".join(shlex.quote(w) for w in words)
+    if dropped:
+        flags = ", ".join(dict.fromkeys(dropped))
+        command += (
+            f" (the reward server's token is not shown: export {TOKEN_ENV}=<token> before it, "
+            f"or add {flags} <token> again)"
+        )
+    return command
 
 
 def stopped_line(

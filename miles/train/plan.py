@@ -30,13 +30,14 @@ import torch.distributed as dist
 
 from miles.config import Config, ConfigError, config_warnings
 from miles.data.prompts import TINY_PROMPTS, GroupSampler, Prompt, check_prompt_images, load_prompts
-from miles.models.family import FamilyModel, ModelFamily, family_of, model_folder
+from miles.models.family import FamilyModel, ModelFamily, family_of, model_folder, rollout_schedule
 from miles.models.fingerprint import model_fingerprint
 from miles.parallel.topology import ParallelDims
 from miles.parallel.topology_checks import local_world_size_from_env, mesh_report, node_note
 from miles.rewards.from_config import check_image_rewards, check_reward_inputs, estimated_reward_bytes
 from miles.rollout.attention import check_attention_precision
 from miles.rollout.precision import check_rollout_precision
+from miles.rollout.schedule import FlowSchedule
 from miles.sequence_parallel.checks import check_ring_dtype, sp_plan_report
 from miles.train.footprint import memory_report, param_report, sequence_report
 from miles.train.input_checks import collect_errors, join_errors
@@ -95,6 +96,7 @@ class RunPlan:
     held_out: list[Prompt]
     image_to_video: bool
     num_sde_steps: int
+    schedule: FlowSchedule  # the family's noise schedule (``FamilyModel.flow_schedule``)
     shape: RolloutShape
     sizes: ModelSizes
     resident: ResidentMemory  # rewards: their models' bytes estimated from the weight files (the trainer
@@ -208,6 +210,7 @@ def plan_run(
         held_out=inputs["held_out"],
         image_to_video=facts.image_to_video,
         num_sde_steps=sequence["num_sde_steps"],
+        schedule=rollout_schedule(model, cfg.rollout),
         shape=shape,
         sizes=sizes,
         resident=resident,

@@ -5,7 +5,9 @@ The config's secret fields (``miles.config.SECRET_FIELDS``: the reward server's 
 recorded twice more — in the run directory's ``.launch.lock`` (for the refusal of a second launch)
 and by wandb (its run metadata keeps ``sys.argv``) — so both get :func:`redact_argv`'s copy: the value
 of a secret flag, and every occurrence of a secret's value (from the config or from the environment
-variables that carry one, ``SECRET_ENV``), become ``<redacted>``.
+variables that carry one, ``SECRET_ENV``), become ``<redacted>``. The resume command a run prints on
+the console (:func:`miles.train.outcome.resume_command`) leaves a secret flag out altogether
+(:func:`without_secret_flags`) and says where the token comes from instead.
 """
 
 from __future__ import annotations
@@ -52,6 +54,24 @@ def redact_argv(argv: Sequence[str], secrets: Sequence[str] = ()) -> list[str]:
             arg = arg.replace(secret, HIDDEN)
         out.append(arg)
     return out
+
+
+def without_secret_flags(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """``argv`` less every secret flag and its value, and the flags left out (as typed, without values)."""
+    kept: list[str] = []
+    dropped: list[str] = []
+    skip_next = False
+    for arg in argv:
+        if skip_next:
+            skip_next = False
+            continue
+        flag, eq, _ = arg.partition("=")
+        if flag in _FLAGS:
+            dropped.append(flag)
+            skip_next = not eq
+            continue
+        kept.append(arg)
+    return kept, dropped
 
 
 @contextmanager

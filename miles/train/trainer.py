@@ -126,7 +126,7 @@ class Trainer:
         # fp32 master weights; FSDP2 casts to the compute dtype (None: compute in fp32).
         self.compute_dtype = compute_dtype(cfg)
         self.num_tokens = self.plan.shape.tokens_per_sample  # the plan counts them once
-        self.algorithm = build_algorithm(cfg)
+        self.algorithm = build_algorithm(cfg, self.plan.schedule)
         experts = parallelize(
             self.model,
             self.plan,

@@ -1,20 +1,22 @@
 """Export through the real launcher: the diffusers folders a run leaves under ``<run>/export``.
 
-Two 2-process runs of the tiny two-expert recipe (in the session's shared torchrun launch,
+Three 2-process runs of the tiny recipes (in the session's shared torchrun launch,
 ``tests/e2e/conftest.py``), one rollout (2 optimizer steps) each:
 
 - full fine-tune at dp1 x sp2 (the experts carry the sequence-parallel install when gathered):
   ``WanPipeline.from_pretrained(<run>/export/pipeline)`` loads, and both experts' weights equal the
   final checkpoint's (``dcp_to_torch_save``: keys ``model.<expert>.<param>``, expert ``0`` is
   ``transformer``, ``1`` is ``transformer_2``) bit for bit;
-- LoRA (``--model.lora-rank 4``, alpha 64: scale 16) at dp2: ``lora/transformer`` and
-  ``lora/transformer_2`` load with ``pipe.load_lora_weights`` (``load_into_transformer_2=True`` for
-  the second: diffusers' ``WanLoraLoaderMixin``) and hold the checkpoint's adapter weights;
-  ``merged/`` holds W + (alpha / r) B A (W: the model folder's, the checkpoint holds only the adapters),
-  and its transformer output equals the base pipeline with the adapters loaded (fp32 tolerance, fixed
-  random input).
+- LoRA (``--model.lora-rank 4``, alpha 64: scale 16) at dp2, for each model family (parametrized):
+  Wan's two experts, ``lora/transformer`` and ``lora/transformer_2``, load with
+  ``WanPipeline.load_lora_weights`` (``load_into_transformer_2=True`` for the second: diffusers'
+  ``WanLoraLoaderMixin``); the tiny LTX-Video's ``lora/transformer`` with ``LTXPipeline``'s
+  (``LTXVideoLoraLoaderMixin``). Each holds the checkpoint's adapter weights; ``merged/`` holds
+  W + (alpha / r) B A (W: the model folder's, the checkpoint holds only the adapters), and its
+  transformer output equals the base pipeline with the adapters loaded (fp32 tolerance, fixed
+  random input), which is the trained model's.
 
-About 30 s on 2 cores.
+About 40 s on 2 cores.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / ".cache" / "tiny-wan" / "two_expert"
 EXPERTS = ("transformer", "transformer_2")
 LORA_RANK, LORA_ALPHA = 4, 64.0
+LTX_TINY = REPO / ".cache" / "tiny-wan" / "ltx"
 
 
 def _check_run(run) -> Path:
@@ -39,26 +42,29 @@ def _check_run(run) -> Path:
     return run.run_dir
 
 
-def _final_checkpoint(run_dir: Path, tmp: Path) -> list[dict[str, torch.Tensor]]:
+def _final_checkpoint(run_dir: Path, tmp: Path, experts=EXPERTS) -> list[dict[str, torch.Tensor]]:
     """Each expert's weights in the run's last checkpoint (``model.<i>.<name>`` in the DCP files)."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     (ckpt,) = sorted((run_dir / "checkpoints").glob("step_*"))
     dcp_to_torch_save(ckpt, tmp / "ckpt.pt")
     model = torch.load(tmp / "ckpt.pt", weights_only=False)["model"]
-    experts = [{} for _ in EXPERTS]
+    weights = [{} for _ in experts]
     for key, value in model.items():
         index, name = key.split(".", 1)
-        experts[int(index)][name] = value
-    return experts
+        weights[int(index)][name] = value
+    return weights
 
 
 _BASE = ["--config", "configs/tiny_cpu.yaml", "--run.wandb-mode", "disabled", "--run.no-progress"]
 _BASE += ["--train.num-rollouts", "1", "--model.tiny-model-dir", str(TINY.parent)]
+_LORA = ["--model.lora-rank", str(LORA_RANK), "--model.lora-alpha", str(LORA_ALPHA)]
+_LTX = ["--config", "configs/tiny_ltx_cpu.yaml", "--run.wandb-mode", "disabled", "--train.num-rollouts", "1"]
 SHARED_RUNS = {  # tests/e2e/conftest.py
     2: {
         "full": [*_BASE, "--sequence-parallel-size", "2", "--ulysses-degree", "2"],
-        "lora": [*_BASE, "--model.lora-rank", str(LORA_RANK), "--model.lora-alpha", str(LORA_ALPHA)],
+        "lora": [*_BASE, *_LORA],
+        "ltx_lora": [*_LTX, *_LORA],
     }
 }
 
@@ -68,10 +74,11 @@ def runs(shared_runs):
     return {name: _check_run(shared_runs[name]) for name in SHARED_RUNS[2]}
 
 
-def _pipeline(path: Path):
-    from diffusers import WanPipeline
+def _pipeline(path: Path, family: str = "wan"):
+    from diffusers import LTXPipeline, WanPipeline
 
-    return WanPipeline.from_pretrained(path, local_files_only=True, dtype=torch.float32)
+    pipeline = LTXPipeline if family == "ltx" else WanPipeline
+    return pipeline.from_pretrained(path, local_files_only=True, dtype=torch.float32)
 
 
 def _forward(transformer, seed: int = 0) -> torch.Tensor:
@@ -81,6 +88,25 @@ def _forward(transformer, seed: int = 0) -> torch.Tensor:
     context = torch.randn(1, 16, transformer.config.text_dim, generator=g)
     with torch.no_grad():
         return transformer(latents, torch.tensor([500.0]), context, return_dict=False)[0]
+
+
+def _forward_ltx(transformer, seed: int = 0) -> torch.Tensor:
+    """The LTX transformer on fixed random tokens (2 x 3 x 4 latent) and text, half of it masked."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randn(1, 24, transformer.config.in_channels, generator=g)
+    text = torch.randn(1, 16, transformer.config.caption_channels, generator=g)
+    mask = (torch.arange(16) < 8)[None]
+    with torch.no_grad():
+        return transformer(
+            tokens, text, torch.tensor([500.0]), mask, num_frames=2, height=3, width=4, return_dict=False
+        )[0]
+
+
+# family: (its LoRA run, base folder, experts, transformer forward)
+FAMILIES = {
+    "wan": ("lora", TINY, EXPERTS, _forward),
+    "ltx": ("ltx_lora", LTX_TINY, ("transformer",), _forward_ltx),
+}
 
 
 def test_full_export_loads_with_the_trained_weights(runs, tmp_path):
@@ -107,26 +133,27 @@ def test_full_export_loads_with_the_trained_weights(runs, tmp_path):
         assert torch.equal(pipe.text_encoder.state_dict()[key], value), key
 
 
-def _lora_pipeline(run_dir: Path):
-    pipe = _pipeline(TINY)
-    for name in EXPERTS:
-        pipe.load_lora_weights(
-            run_dir / "export" / "lora" / name,
-            adapter_name="grpo",
-            load_into_transformer_2=name == "transformer_2",
-        )
+def _lora_pipeline(run_dir: Path, family: str = "wan"):
+    _, tiny, experts, _ = FAMILIES[family]
+    pipe = _pipeline(tiny, family)
+    for name in experts:
+        extra = {"load_into_transformer_2": name == "transformer_2"} if family == "wan" else {}
+        pipe.load_lora_weights(run_dir / "export" / "lora" / name, adapter_name="grpo", **extra)
     return pipe
 
 
-def test_lora_export_holds_the_trained_adapters_and_merged_weights(runs, tmp_path):
-    run_dir = runs["lora"]
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_lora_export_holds_the_trained_adapters_and_merged_weights(runs, tmp_path, family):
+    run, tiny, experts, _ = FAMILIES[family]
+    run_dir = runs[run]
     assert sorted(p.name for p in (run_dir / "export").iterdir()) == ["lora", "merged"]
-    pipe = _lora_pipeline(run_dir)
-    merged = _pipeline(run_dir / "export" / "merged")
-    base = _pipeline(TINY)
-    trained = _final_checkpoint(run_dir, tmp_path)
+    assert sorted(p.name for p in (run_dir / "export" / "lora").iterdir()) == sorted(experts)
+    pipe = _lora_pipeline(run_dir, family)
+    merged = _pipeline(run_dir / "export" / "merged", family)
+    base = _pipeline(tiny, family)
+    trained = _final_checkpoint(run_dir, tmp_path, experts)
     scale = LORA_ALPHA / LORA_RANK
-    for name, want in zip(EXPERTS, trained):
+    for name, want in zip(experts, trained):
         # The adapters: the checkpoint's lora_A / lora_B, bit for bit.
         loaded = getattr(pipe, name).state_dict()
         adapters = {k: v for k, v in want.items() if ".lora_" in k}
@@ -147,11 +174,13 @@ def test_lora_export_holds_the_trained_adapters_and_merged_weights(runs, tmp_pat
             torch.testing.assert_close(merged_sd[key], expect, rtol=1e-5, atol=1e-6)
 
 
-def test_lora_merged_output_equals_base_with_adapters_loaded(runs):
-    run_dir = runs["lora"]
-    pipe = _lora_pipeline(run_dir)
-    merged = _pipeline(run_dir / "export" / "merged")
-    for name in EXPERTS:
-        torch.testing.assert_close(
-            _forward(getattr(pipe, name)), _forward(getattr(merged, name)), rtol=1e-4, atol=1e-5
-        )
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_lora_merged_output_equals_base_with_adapters_loaded(runs, family):
+    run, tiny, experts, forward = FAMILIES[family]
+    pipe = _lora_pipeline(runs[run], family)
+    merged = _pipeline(runs[run] / "export" / "merged", family)
+    base = _pipeline(tiny, family)
+    for name in experts:
+        got = forward(getattr(pipe, name))
+        torch.testing.assert_close(got, forward(getattr(merged, name)), rtol=1e-4, atol=1e-5)
+        assert not torch.allclose(got, forward(getattr(base, name)), rtol=1e-4, atol=1e-5)  # trained

@@ -13,11 +13,19 @@ dp4 run of 3 rollouts (6 optimizer steps) as the reference (a run of the session
   ignoring a stale ``.partial`` and a newer ``step_*`` folder without ``COMPLETE`` planted next
   to them — and reach the reference's weights sha256 at step 6 and its metrics.jsonl rows
   (last row per step; wall-clock, throughput and memory keys left out) bitwise.
-- ``test_resume_across_topologies``: the reference's dp4 step-6 checkpoint, copied, loads at
-  dp2 x sp2 (ulysses 2) and at dp1 x sp4 (ulysses 2 x ring 2) with the weights sha256 printed at
-  load equal to the one printed at save, and each continues one more rollout; the sp4 run's step-8
-  checkpoint then loads back at dp4 (same digest) and continues. The global batch stays 8 prompt
-  groups (prompts-per-rank 2 at dp4, 4 at dp2, 8 at dp1).
+- ``test_resume_across_topologies``, for each model family (parametrized): Wan: the reference's
+  dp4 step-6 checkpoint, copied, loads at dp2 x sp2 (ulysses 2) and at dp1 x sp4 (ulysses 2 x
+  ring 2) with the weights sha256 printed at load equal to the one printed at save, and each
+  continues one more rollout; the sp4 run's step-8 checkpoint then loads back at dp4 (same digest)
+  and continues. The global batch stays 8 prompt groups (prompts-per-rank 2 at dp4, 4 at dp2, 8 at
+  dp1). LTX-Video (``configs/tiny_ltx_cpu.yaml``): a dp2 x sp2 reference of 2 rollouts (in the
+  shared launch), its step-2 checkpoint resumed at dp4 (same digest), whose rollout 1 continues the
+  reference's trajectory (reward, loss and grad norm of steps 3 and 4 within 1e-3 relative: the
+  layout changes only fp32 rounding).
+- ``test_ltx_double_run_is_bitwise``: the LTX reference's flags run again (in the relaunch, another
+  process): every metrics.jsonl and eval.jsonl value (wall-clock, throughput and memory aside),
+  every checkpoint's weights sha256 and every exported file, bitwise equal (Wan's double run:
+  tests/e2e/test_bands.py).
 
 The launches that must crash, stop or refuse (the kill, SIGTERM, Ctrl-C, the refused rerun) run one
 per launch; every relaunch after them (the two resumes, the overwriting rerun, both layouts' resumes
@@ -57,9 +65,15 @@ RESUMED = re.compile(
 )
 
 
-RECIPE = ["--config", "configs/tiny_cpu.yaml", "--run.wandb-mode", "disabled", "--run.no-progress"]
-RECIPE += ["--deterministic-mode", "--train.weight-digest", "--train.no-export"]
-RECIPE += ["--train.checkpoint-every", "1", "--train.steps-per-rollout", "2"]
+COMMON = "--run.wandb-mode disabled --run.no-progress --deterministic-mode --train.weight-digest".split()
+COMMON += ["--train.checkpoint-every", "1", "--train.steps-per-rollout", "2"]
+RECIPE = ["--config", "configs/tiny_cpu.yaml", *COMMON, "--train.no-export"]
+# LTX-Video's reference (dp2 x sp2) also evaluates and exports: its double run compares them. One
+# sample per micro-batch: at dp4 each rank holds one sample per optimizer step.
+LTX_RECIPE = ["--config", "configs/tiny_ltx_cpu.yaml", *COMMON, "--train.keep-checkpoints", "3"]
+LTX_RECIPE += "--train.micro-batch-size 1 --eval.num-seeds 1".split()  # evaluated first and last
+LTX_RECIPE += ["--eval.prompt-file", "miles/world/prompts_heldout.txt"]
+LTX_REFERENCE = [*LTX_RECIPE, *"--sequence-parallel-size 2 --ulysses-degree 2 --train.num-rollouts 2".split()]
 
 
 @dataclass
@@ -154,7 +168,10 @@ def checkpoint_names(run_dir: Path) -> list[str]:
 # The uninterrupted dp4 run: 3 rollouts, checkpoints at steps 2, 4, 6 (keeps all three); in the
 # session's shared launch (tests/e2e/conftest.py). Its time excludes the launch's start-up.
 SHARED_RUNS = {
-    4: {"resume_reference": [*RECIPE, "--train.num-rollouts", "3", "--train.keep-checkpoints", "3"]}
+    4: {
+        "resume_reference": [*RECIPE, "--train.num-rollouts", "3", "--train.keep-checkpoints", "3"],
+        "ltx_resume_reference": LTX_REFERENCE,
+    }
 }
 
 
@@ -187,7 +204,15 @@ def _plant_decoys(run_dir: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def launches(reference) -> dict:
+def ltx_reference(shared_runs) -> Launch:
+    shared = shared_runs["ltx_resume_reference"]
+    run = Launch(0, shared.output, shared.seconds, shared.run_dir, shared.run_dir.parent)
+    assert sorted(run.saved()) == [2, 4], run.output[-3000:]
+    return run
+
+
+@pytest.fixture(scope="module")
+def launches(reference, ltx_reference) -> dict:
     """The module's launches. Those that must crash, stop or refuse run one per launch, and what
     they leave is recorded; then ONE launch (tests/e2e/multi_run.py) relaunches them all — the
     killed run and the stopped run resume, the refused one restarts with --train.overwrite — and
@@ -220,15 +245,18 @@ def launches(reference) -> dict:
     got["refused"] = launch(root, "rerun", *RERUN_FLAGS)
     got["rerun_after"] = _files(run_dir)
 
-    for name, *_ in LAYOUTS:
-        _copy_run(reference.run_dir, root / name, 6)
     again = {
         "killed": [*RECIPE, *KILL_FLAGS],
         "sigterm": [*RECIPE, *SIGNAL_FLAGS],
         "rerun": [*RECIPE, *RERUN_FLAGS, "--train.overwrite"],
-        **{name: [*RECIPE, *_layout_flags(sp, u, ppr, 4)] for name, sp, u, ppr, _ in LAYOUTS},
-        "back_to_dp4": [*RECIPE, *_layout_flags(1, 0, 2, 5)],  # after dp1_sp4_u2r2: its step 8
     }
+    for family, ref in (("wan", reference), ("ltx", ltx_reference)):
+        f = FAMILIES[family]
+        for name, sp, u, ppr, _ in f.layouts:
+            _copy_run(ref.run_dir, root / name, f.step)
+            again[name] = [*f.recipe, *_layout_flags(sp, u, ppr, f.step // 2 + 1)]
+    again["back_to_dp4"] = [*RECIPE, *_layout_flags(1, 0, 2, 5)]  # after dp1_sp4_u2r2: its step 8
+    again["ltx_double"] = LTX_REFERENCE  # a second run of the LTX reference, in another process
     step8 = "checkpoints/step_000008"
     copies = {"back_to_dp4": [(root / "dp1_sp4_u2r2" / step8, root / "back_to_dp4" / step8)]}
     relaunched = launch_runs(
@@ -281,11 +309,25 @@ def _copy_run(src: Path, dst: Path, step: int) -> None:
     shutil.copytree(src / "checkpoints" / name, dst / "checkpoints" / name)
 
 
-# (name, sequence_parallel_size, ulysses_degree, prompts_per_rank, expected (dp, sp)) at 4 processes
-LAYOUTS = [
-    ("dp2_sp2_u2", 2, 2, 4, (2, 2)),
-    ("dp1_sp4_u2r2", 4, 2, 8, (1, 4)),
-]
+@dataclass(frozen=True)
+class FamilyResume:
+    """A family's cross-layout resume: its reference run (shared launch), the checkpoint's step and
+    layout, and the layouts it is resumed at: (name, sequence_parallel_size, ulysses_degree,
+    prompts_per_rank, expected (dp, sp)) at 4 processes, the global batch unchanged."""
+
+    reference: str
+    recipe: list[str]
+    step: int
+    saved_at: tuple[int, int]
+    layouts: list[tuple[str, int, int, int, tuple[int, int]]]
+
+
+FAMILIES = {
+    "wan": FamilyResume(
+        "reference", RECIPE, 6, (4, 1), [("dp2_sp2_u2", 2, 2, 4, (2, 2)), ("dp1_sp4_u2r2", 4, 2, 8, (1, 4))]
+    ),
+    "ltx": FamilyResume("ltx_reference", LTX_RECIPE, 2, (2, 2), [("ltx_dp4", 1, 1, 1, (4, 1))]),
+}
 
 
 def _layout_flags(sp: int, ulysses: int, prompts_per_rank: int, num_rollouts: int) -> list[str]:
@@ -315,11 +357,23 @@ def _check_resumed(run: Launch, step: int, saved_at: tuple[int, int], now: tuple
     assert sorted(run.saved()) == [step + 2]
 
 
-def test_resume_across_topologies(reference, launches):
-    digest = reference.saved()[6]
-    runs = {name: launches[f"{name}_again"] for name, *_ in LAYOUTS}  # each resumed its own copy
-    for name, *_, now in LAYOUTS:
-        _check_resumed(runs[name], 6, (4, 1), now, digest)
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_resume_across_topologies(family, launches, request):
+    f = FAMILIES[family]
+    ref = request.getfixturevalue(f.reference)
+    digest = ref.saved()[f.step]
+    runs = {name: launches[f"{name}_again"] for name, *_ in f.layouts}  # each resumed its own copy
+    for name, *_, now in f.layouts:
+        _check_resumed(runs[name], f.step, f.saved_at, now, digest)
+        # Where the reference ran on, the resumed run continues its trajectory (layouts differ by
+        # fp32 rounding only: every sample's noise is keyed by its global index).
+        want, got = last_rows(ref.run_dir), last_rows(runs[name].run_dir)
+        for step in set(want) & set(got):
+            for key in ("reward/mean", "train/loss", "train/grad_norm"):
+                if key in want[step]:
+                    assert got[step][key] == pytest.approx(want[step][key], rel=1e-3), (name, step, key)
+    if family != "wan":
+        return
 
     # ... and back: the sp4 run's step-8 checkpoint (copied alone into a fresh folder) at dp4.
     sp4 = runs["dp1_sp4_u2r2"]
@@ -403,4 +457,25 @@ def test_signal_stops_with_a_checkpoint_then_resume_is_bitwise_exact(reference, 
     print(
         f"SIGTERM launch {stopped.seconds:.0f} s, resumed {resumed.seconds:.0f} s; Ctrl-C launch "
         f"{ctrl_c.seconds:.0f} s, saved step {next(iter(saved))}"
+    )
+
+
+def _eval_rows(run_dir: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if k != "time" and not k.startswith(VOLATILE_PREFIXES)} for r in rows]
+
+
+def test_ltx_double_run_is_bitwise(ltx_reference, launches):
+    """The LTX reference launched again: the same metrics, evaluations, checkpoints and export."""
+    first, second = ltx_reference, launches["ltx_double_again"]
+    assert first.saved() == second.saved() and sorted(first.saved()) == [2, 4]
+    assert last_rows(first.run_dir) == last_rows(second.run_dir) and len(last_rows(first.run_dir)) == 4
+    evals = _eval_rows(first.run_dir)
+    assert evals == _eval_rows(second.run_dir) and len(evals) == 2, evals  # the baseline, the last
+    export = _files(first.run_dir / "export")
+    assert any(p.suffix == ".safetensors" for p in export), sorted(export)
+    assert export == _files(second.run_dir / "export")
+    dp4 = launches["ltx_dp4_again"]
+    print(
+        f"LTX runs: reference {first.seconds:.1f} s, again {second.seconds:.1f} s, resumed at dp4 {dp4.seconds:.1f} s"
     )

@@ -53,7 +53,7 @@ class Toy(Algorithm):
             cfg.rollout.guidance_scale > 1
         )
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, schedule=None):
         self.alpha = cfg.toy.alpha
 
     def sde_steps(self, num_steps, generator):

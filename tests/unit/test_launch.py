@@ -108,3 +108,37 @@ def test_one_process_takes_a_free_port(tmp_path):
         [sys.executable, "-c", CHECK_PORT], env=env, capture_output=True, text=True, timeout=120
     )
     assert got.returncode == 0 and "ok [1.0, 1.0]" in got.stdout, got.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+    "typed",
+    [["--reward.remote.token", "s3cr3t-tok"], ["--reward.remote.token=s3cr3t-tok"]],
+)
+def test_the_resume_command_never_shows_the_reward_token(monkeypatch, tmp_path, typed):
+    """Issue 46: the console's resume hint printed the reward server's token typed on the command
+    line. The flag is left out, the hint says how to give the token again, and the rest is as typed."""
+    from miles.rewards.remote import TOKEN_ENV
+    from miles.train.outcome import resume_command, stopped_line
+    from miles.train.reward_failure import reward_failed
+
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    monkeypatch.setenv(launch.LAUNCH_COMMAND_ENV, "python -m miles.launch --nproc-per-node 2 train_grpo.py")
+    argv = ["--config", "c.yaml", *typed, "--reward.weights.sharpness", "1"]
+    hint = resume_command(argv)
+    assert "s3cr3t" not in hint
+    assert hint.startswith(
+        "python -m miles.launch --nproc-per-node 2 train_grpo.py --config c.yaml --reward.weights.sharpness 1 "
+    )
+    assert f"export {TOKEN_ENV}=<token>" in hint and "--reward.remote.token <token>" in hint
+    monkeypatch.setattr("sys.argv", ["train_grpo.py", *argv])
+    for line in (
+        stopped_line(tmp_path, "SIGTERM", 3, 1, 5, argv),
+        str(reward_failed("connection refused", 3, None)),
+    ):
+        assert "s3cr3t" not in line and f"export {TOKEN_ENV}=<token>" in line
+    # a token from the environment, typed into another flag by the shell, is hidden too
+    monkeypatch.setenv(TOKEN_ENV, "envtok-123")
+    assert "envtok-123" not in resume_command(["--config", "c.yaml", "--run.name", "x-envtok-123"])
+    # without a secret the hint is the command alone
+    assert resume_command(["--config", "c.yaml"]).endswith("train_grpo.py --config c.yaml")

@@ -1,7 +1,8 @@
 """The LTX-Video family behind the seam, on the embedded tiny LTX (CPU, fp32): the registry, the
-schedule's shift, the text condition (embeddings + mask) and the prompt cache, the VAE's latent
-normalisation against ``LTXPipeline``'s own code. (The expert's call and SP: tests/distributed/
-test_stock_parity.py, test_usp_model.py, test_usp_uneven.py; the trainer: tests/e2e/test_ltx_e2e.py.)"""
+text condition (embeddings + mask) and the prompt cache, the VAE's latent normalisation against
+``LTXPipeline``'s own code. (The expert's call and SP: tests/distributed/test_stock_parity.py,
+test_usp_model.py, test_usp_uneven.py; the noise schedule: tests/unit/test_ltx_schedule.py; the
+trainer: tests/e2e/test_ltx_e2e.py.)"""
 
 from __future__ import annotations
 
@@ -42,30 +43,6 @@ def test_the_seam_holds_both_families_and_names_neither():
     assert family.family_of(tiny_model_path(TINY_DIR, "single_expert")).name == "wan"
     source = inspect.getsource(family).lower()
     assert "wan" not in source and "ltx" not in source
-
-
-def test_flow_shift_is_the_pipelines_schedule(ltx):
-    """The sampler's σ' = shift·s/(1 + (shift − 1)·s) at shift = ``flow_shift(tokens)`` is the LTX
-    scheduler's exponential time shift at LTXPipeline's μ (``calculate_shift`` of the token count),
-    on the same grid; LTX's ``shift_terminal`` stretch is left out (a departure, docs/ARCHITECTURE.md)."""
-    from diffusers import FlowMatchEulerDiscreteScheduler
-    from diffusers.pipelines.ltx.pipeline_ltx import calculate_shift
-
-    from miles.models.tiny_ltx import LTX_SCHEDULER
-    from miles.rollout.sampler import flow_sigmas
-
-    for tokens in (24, 1024, 7392):
-        scheduler = FlowMatchEulerDiscreteScheduler(**{**LTX_SCHEDULER, "shift_terminal": None})
-        c = LTX_SCHEDULER
-        mu = calculate_shift(
-            tokens, c["base_image_seq_len"], c["max_image_seq_len"], c["base_shift"], c["max_shift"]
-        )
-        steps = 8
-        scheduler.set_timesteps(sigmas=list(torch.linspace(1, 1 / steps, steps).tolist()), mu=mu)
-        ours = flow_sigmas(steps, ltx.flow_shift(tokens))
-        grid = torch.linspace(1.0, 0.0, steps + 1)[:-1]  # the sampler's grid, the pipeline's 1 .. 1/T
-        assert torch.allclose(grid, torch.linspace(1, 1 / steps, steps))
-        assert torch.allclose(ours[:-1], scheduler.sigmas[:-1].float(), rtol=1e-5, atol=1e-6), tokens
 
 
 def test_text_condition_carries_the_mask_and_the_cache_encodes_alike(ltx):

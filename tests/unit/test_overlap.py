@@ -114,12 +114,13 @@ def test_collector_decodes_each_micro_batch_right_after_its_last_step(monkeypatc
     monkeypatch.setattr(collect, "expert_phases", lambda *a: [(0, 0, 3), (1, 3, 5)])
     owner = SimpleNamespace(
         cfg=SimpleNamespace(
-            rollout=SimpleNamespace(num_steps=5, shift=3.0, precision="bf16"),
+            rollout=SimpleNamespace(num_steps=5, shift=3.0, precision="bf16", attention_precision="bf16"),
             parallel=SimpleNamespace(rollout_unsharded=False, reshard_after_forward=True),
         ),
         algorithm=SimpleNamespace(rollout_transformers=lambda policy: ["high", "low"]),
         policy=None,
         model=SimpleNamespace(routing=None),
+        schedule=3.0,  # Collector.schedule: the family's (a Wan shift here)
         progress=False,
         rank=0,
         rollout_index=0,

@@ -18,7 +18,17 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 SCRIPT = REPO / "bench" / "speed_gpu.sh"
-STAGES = ["profile", "backends", "backends2", "peer-lora", "peer-full", "fit", "precision", "mfu"]
+STAGES = [
+    "profile",
+    "backends",
+    "backends2",
+    "peer-lora",
+    "peer-full",
+    "fit",
+    "precision",
+    "step-lowp",
+    "mfu",
+]
 
 
 def dry(stage: str, tmp_path: Path, **env) -> list[str]:
