@@ -27,7 +27,7 @@ functions this module imports) through LTX-Video's parts:
 3. **Prior.** A tiny ``LTXVideoTransformer3DModel`` (4 blocks, 4 heads x 16) learns rectified flow
    on the normalised latents of the training split, called as the trainer calls it
    (:class:`miles.models.ltx.LTXRouting`: packed tokens, the text's mask, LTX's RoPE scales), with
-   σ drawn from the sampler's shift density at LTX's token-count shift (``LTXModel.flow_shift``).
+   σ drawn from the sampler's shift density at LTX's token-count shift (``miles.models.ltx.ltx_flow_schedule``).
    Text is the tiny T5 of :mod:`miles.models.tiny_ltx` at ``max_sequence_length`` 64; 10% empty
    captions for CFG. Stopped early (``dit_steps``) for RL headroom.
 4. **Save and measure.** An ordinary diffusers ``LTXPipeline`` folder (VAE in fp16), reloaded
@@ -278,11 +278,11 @@ class RoutedExpert(nn.Module):
 
 
 def flow_shift(num_tokens: int) -> float:
-    """LTX's token-count shift exp(mu) under the tiny pipeline's scheduler (``LTXModel.flow_shift``)."""
-    from miles.models.ltx import LTXModel
+    """LTX's token-count shift exp(mu) under the tiny pipeline's scheduler (``ltx_flow_schedule``)."""
+    from miles.models.ltx import ltx_flow_schedule
     from miles.models.tiny_ltx import LTX_SCHEDULER
 
-    return LTXModel(None, [], None, LTX_SCHEDULER).flow_shift(num_tokens)
+    return ltx_flow_schedule(LTX_SCHEDULER, num_tokens).shift
 
 
 def flow_loss(expert, x0: torch.Tensor, context: torch.Tensor, shift: float, generator) -> torch.Tensor:
@@ -331,7 +331,7 @@ def evaluate(model, prompts: list[str], num_seeds: int, cfg: PretrainLTXConfig) 
     shape = world_shape(cfg)
     pos, neg = model.encode_prompts(prompts, NEGATIVE_PROMPT, cfg.max_sequence_length, torch.device("cpu"))
     latent_shape = model.latent_shape(shape.num_frames, shape.height, shape.width)
-    shift = model.flow_shift(model.num_tokens(shape.num_frames, shape.height, shape.width))
+    schedule = model.flow_schedule(None, model.num_tokens(shape.num_frames, shape.height, shape.width))
     per_seed = []
     for j in range(num_seeds):
         rollout = sample_with_logprob(
@@ -340,7 +340,7 @@ def evaluate(model, prompts: list[str], num_seeds: int, cfg: PretrainLTXConfig) 
             neg,
             latent_shape,
             num_steps=cfg.eval_steps,
-            shift=shift,
+            shift=schedule,
             guidance_scales=cfg.eval_guidance,
             routing=model.routing,
             noise_level=0.0,
@@ -351,7 +351,7 @@ def evaluate(model, prompts: list[str], num_seeds: int, cfg: PretrainLTXConfig) 
     out = {k: round(float(v.mean()), 4) for k, v in scores.items()}
     out["per_prompt"] = {p: round(float(a), 4) for p, a in zip(prompts, scores["adherence"].mean(dim=0))}
     out["num_samples"] = len(prompts) * num_seeds
-    out["shift"] = round(shift, 4)
+    out["shift"] = round(schedule.shift, 4)
     return out
 
 
