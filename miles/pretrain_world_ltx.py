@@ -6,22 +6,20 @@
 The Wan world's recipe (:mod:`miles.pretrain_world`, whose render, dataset, loss and flow-matching
 functions this module imports) through LTX-Video's parts:
 
-1. **VAE.** A tiny ``AutoencoderKLLTXVideo`` with LTX-Video's compression: 4x4 patchify and three
-   spatio-temporal downsamplings, 32x spatial and 8x temporal, 128 latent channels, widths
-   (16, 32, 64, 64), one layer per block (3.6M parameters). 9 frames at 64 x 64 are 2 latent frames
-   of 2 x 2: 8 tokens (patch size 1). It trains on whole training-split videos (a 32x crop would be
-   one latent pixel) as a plain autoencoder (``autoencoder_loss``: the Wan world's weighted
-   reconstruction loss, the ball's pixels weighing 11x, on the posterior mean), its first
-   ``vae_crop_steps`` on crops of one latent pixel around the ball. With the Wan world's
-   ``vae_loss`` (posterior noise, kl 1e-4) three short 64 x 64 runs (ball weight 5x and 21x, and the
-   log-variance started at -8) decoded every video to the same grey frame: the decoder ignored the
-   latent and the posterior collapsed (the kl term, however small, moves the log-variance at
-   AdamW's pace once the latent carries nothing). Without the noise it still does at 32x on the
-   CPU budget tried, and carries the world at 8x (``--scaling 1000``; docs/learning.md, "The LTX
-   world"). The encoded
+1. **VAE.** A tiny ``AutoencoderKLLTXVideo`` (4x4 patchify, 128 latent channels, widths
+   (16, 32, 64, 64), one layer per block) with ONE of LTX-Video's three spatio-temporal
+   downsamplings: 8x spatial, 2x temporal (2.3M parameters), so 9 frames at 64 x 64 are 5 latent
+   frames of 8 x 8: 320 tokens (patch size 1). LTX-Video's published 32x / 8x (8 tokens,
+   ``LTX_SCALING``, ``--scaling 1110``) and 16x / 4x (48 tokens, ``--scaling 1100``) decoded every
+   world video to the same grey frame on the CPU budget tried (docs/learning.md, "The LTX world").
+   It trains on whole training-split videos as a plain autoencoder (``autoencoder_loss``: the Wan
+   world's weighted reconstruction loss, the ball's pixels weighing 11x, on the posterior mean;
+   ``vae_crop_steps`` > 0 starts on crops around the ball). With the Wan world's ``vae_loss``
+   (posterior noise, kl 1e-4) three short 32x runs collapsed (the decoder ignored the latent, the
+   kl term moved the log-variance at AdamW's pace once the latent carried nothing). The encoded
    dataset's per-channel mean/std go into the VAE's ``latents_mean``/``latents_std`` buffers, which
    ``LTXPipeline`` (and :class:`miles.models.ltx.LTXModel`) un-normalise with.
-2. **VAE check** (``--vae-check``): can the 32x compression carry the world? Held-out renders
+2. **VAE check** (``--vae-check``): can a compression carry the world? Held-out renders
    through encode (posterior mode) and decode, scored by ``world_adherence`` beside the renders,
    as ``bench/world81_vae_check.py`` did for the Wan world's VAE.
 3. **Prior.** A tiny ``LTXVideoTransformer3DModel`` (4 blocks, 4 heads x 16) learns rectified flow
@@ -76,25 +74,29 @@ WORLD_LTX_VAE = dict(
     layers_per_block=(1, 1, 1, 1, 1),
     decoder_layers_per_block=(1, 1, 1, 1, 1),
 )
-"""LTX-Video's compression (patch 4, spatio-temporal scaling in three blocks: 32x / 8x, 128
-channels) at small widths."""
+"""LTX-Video's VAE (patch 4, 128 channels) at small widths; the spatio-temporal downsamplings are
+``PretrainLTXConfig.vae_scaling``."""
+
+LTX_SCALING = (True, True, True, False)
+"""LTX-Video's published compression: spatio-temporal downsampling in three blocks, 32x / 8x."""
 
 
 @dataclass(frozen=True)
 class PretrainLTXConfig:
-    """Every knob. No pipeline is committed: the VAE these defaults train did not carry the world
-    (the VAE check, docs/learning.md "The LTX world"), so neither prior nor curves were made."""
+    """Every knob; the defaults build the committed ``miles/world/pipeline_ltx`` (``make
+    world-model-ltx``). Its VAE is 8x / 2x, not LTX-Video's 32x / 8x: at 32x / 8x and at 16x / 4x the
+    tiny VAE decoded every world video to grey (the VAE check, docs/learning.md "The LTX world")."""
 
     seed: int = 0
-    num_threads: int = 2
+    num_threads: int = 1
     shape: tuple[int, int, int] = (NUM_FRAMES, 64, 64)
     """(frames, height, width) of the world's videos (``miles.world.Shape``)."""
     # VAE
-    vae_scaling: tuple[bool, ...] = (True, True, True, False)
-    """The VAE's ``spatio_temporal_scaling`` (and its decoder's): LTX-Video's three (32x / 8x), or
-    fewer for a lighter compression (two: 16x / 4x)."""
-    vae_steps: int = 3000
-    vae_crop_steps: int = 1500
+    vae_scaling: tuple[bool, ...] = (True, False, False, False)
+    """The VAE's ``spatio_temporal_scaling`` (and its decoder's): one of LTX-Video's three (8x / 2x:
+    9 x 64 x 64 -> 5 x 8 x 8 = 320 tokens); ``LTX_SCALING`` is the published three (32x / 8x)."""
+    vae_steps: int = 2300
+    vae_crop_steps: int = 0
     """The first steps train on crops of one latent pixel (32 x 32) around the ball (the Wan world's
     ``_crop_batch``); whole frames after."""
     vae_batch: int = 8
@@ -109,6 +111,8 @@ class PretrainLTXConfig:
     dit_steps: int = 2000
     dit_batch: int = 64
     dit_lr: float = 1e-3
+    dit_time_limit_s: float = 0.0
+    """Stop the prior early after this many seconds (0: never); the report says where it stopped."""
     num_layers: int = 4
     text_dropout: float = 0.1
     max_sequence_length: int = 64
@@ -296,9 +300,10 @@ def flow_loss(expert, x0: torch.Tensor, context: torch.Tensor, shift: float, gen
     return F.mse_loss(out[0].float(), eps - x0)
 
 
-def train_prior(cfg: PretrainLTXConfig, vae, latents, labels, table, start: float) -> nn.Module:
+def train_prior(cfg: PretrainLTXConfig, vae, latents, labels, table, start: float) -> tuple[nn.Module, dict]:
     """The tiny LTX prior on normalised latents (N, C, F, H, W) captioned by ``labels`` (N,); ``table``
-    holds the prompts' text conditions with the negative one last (row -1)."""
+    holds the prompts' text conditions with the negative one last (row -1). Returns (prior, {steps,
+    seconds, loss})."""
     from diffusers import LTXVideoTransformer3DModel
 
     torch.manual_seed(cfg.seed + 1)
@@ -307,8 +312,11 @@ def train_prior(cfg: PretrainLTXConfig, vae, latents, labels, table, start: floa
     opt = torch.optim.AdamW(transformer.parameters(), lr=cfg.dit_lr)
     gen = torch.Generator().manual_seed(cfg.seed + 2)
     shift = flow_shift(int(latents[0, 0].numel()))
-    running = None
+    running, t0, steps = None, time.perf_counter(), 0
     for step in range(cfg.dit_steps):
+        if cfg.dit_time_limit_s and time.perf_counter() - t0 > cfg.dit_time_limit_s:
+            log(f"prior: time limit {cfg.dit_time_limit_s:.0f} s reached at step {step}", start)
+            break
         idx = torch.randint(len(latents), (cfg.dit_batch,), generator=gen)
         captions = noisy_captions(labels[idx], len(table) - 1, 0.0, cfg.text_dropout, gen)
         loss = flow_loss(expert, latents[idx], table[captions], shift, gen)
@@ -316,9 +324,11 @@ def train_prior(cfg: PretrainLTXConfig, vae, latents, labels, table, start: floa
         loss.backward()
         opt.step()
         running = loss.item() if running is None else 0.98 * running + 0.02 * loss.item()
-        if (step + 1) % 100 == 0 or step + 1 == cfg.dit_steps:
-            log(f"prior step {step + 1}/{cfg.dit_steps} loss {running:.4f}", start)
-    return transformer.eval().requires_grad_(False)
+        steps = step + 1
+        if steps % 100 == 0 or steps == cfg.dit_steps:
+            log(f"prior step {steps}/{cfg.dit_steps} loss {running:.4f}", start)
+    trained = {"steps": steps, "seconds": round(time.perf_counter() - t0, 1), "loss": round(running, 5)}
+    return transformer.eval().requires_grad_(False), trained
 
 
 @torch.no_grad()
@@ -382,9 +392,9 @@ def pretrain(out_dir: Path, cfg: PretrainLTXConfig, vae_folder: Path | None = No
     log(f"encoded {len(latents)} training videos to latents {tuple(latents.shape[1:])}", start)
     text_pipe = base_pipeline()
     pos, neg = encode_text(text_pipe, prompts, cfg.max_sequence_length)
-    t0 = time.perf_counter()
-    transformer = train_prior(cfg, vae, latents, labels, torch.cat([pos, neg]), start)
-    report["prior_s"] = round(time.perf_counter() - t0, 1)
+    transformer, report["prior_training"] = train_prior(
+        cfg, vae, latents, labels, torch.cat([pos, neg]), start
+    )
     pipe = LTXPipeline(
         scheduler=text_pipe.scheduler,
         vae=vae,
@@ -446,7 +456,11 @@ def main(argv: list[str]) -> None:
     p.add_argument("--vae-check", type=Path, metavar="JSON", help="train a VAE and check it instead")
     p.add_argument("--shape", default="9x64x64", help="FRAMESxHEIGHTxWIDTH")
     p.add_argument("--vae-steps", type=int, default=PretrainLTXConfig.vae_steps)
-    p.add_argument("--scaling", default="1110", help="the VAE's spatio-temporal scaling per block, 1/0")
+    p.add_argument(
+        "--scaling",
+        default="".join("1" if s else "0" for s in PretrainLTXConfig.vae_scaling),
+        help="the VAE's spatio-temporal scaling per block, 1/0 (LTX-Video's: 1110)",
+    )
     p.add_argument("--crop-steps", type=int, default=PretrainLTXConfig.vae_crop_steps)
     p.add_argument("--fg-weight", type=float, default=PretrainLTXConfig.vae_foreground_weight)
     p.add_argument("--time-limit", type=float, default=0.0, help="VAE wall-time cap in seconds")
@@ -455,6 +469,7 @@ def main(argv: list[str]) -> None:
         "--vae", type=Path, help="a trained VAE folder to use (check it, or train the prior on it)"
     )
     p.add_argument("--dit-steps", type=int, default=PretrainLTXConfig.dit_steps)
+    p.add_argument("--dit-time-limit", type=float, default=0.0, help="prior wall-time cap in seconds")
     p.add_argument("--threads", type=int, default=PretrainLTXConfig.num_threads)
     args = p.parse_args(argv)
     cfg = PretrainLTXConfig(
@@ -471,7 +486,8 @@ def main(argv: list[str]) -> None:
         return
     if args.out_dir is None:
         raise SystemExit("usage: python -m miles.pretrain_world_ltx OUT_DIR  (e.g. miles/world/pipeline_ltx)")
-    report = pretrain(args.out_dir, dataclasses.replace(cfg, dit_steps=args.dit_steps), args.vae)
+    cfg = dataclasses.replace(cfg, dit_steps=args.dit_steps, dit_time_limit_s=args.dit_time_limit)
+    report = pretrain(args.out_dir, cfg, args.vae)
     path = args.out_dir.parent / "pretrain_report_ltx.json"
     path.write_text(json.dumps(report, indent=2) + "\n")
     for split in ("train", "heldout"):
