@@ -66,9 +66,10 @@ WORLD_DIR ?= .cache/world-wan
 world-model: setup
 	$(PY) -m miles.pretrain_world $(WORLD_DIR)
 
-# The world through the LTX-Video family (a tiny LTX VAE + a 4-block LTX prior, CPU) into
-# WORLD_LTX_DIR, its report beside it (pretrain_report_ltx.json). Nothing is committed yet: on the
-# CPU budget tried the VAE did not carry the world (docs/learning.md, "The LTX world").
+# The world through the LTX-Video family (a tiny LTX VAE at 8x / 2x + a 4-block LTX prior, CPU, one
+# thread, ~30 min) into WORLD_LTX_DIR, its report beside it (pretrain_report_ltx.json). The defaults
+# rebuild the committed miles/world/pipeline_ltx (docs/learning.md, "The LTX world"):
+# make world-model-ltx WORLD_LTX_DIR=miles/world/pipeline_ltx.
 WORLD_LTX_DIR ?= .cache/world-ltx
 world-model-ltx: setup
 	$(PY) -m miles.pretrain_world_ltx $(WORLD_LTX_DIR)
