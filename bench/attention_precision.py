@@ -38,7 +38,6 @@ import argparse
 import contextlib
 import importlib.util
 import json
-import os
 import sys
 import time
 import traceback
@@ -414,11 +413,10 @@ def _args(argv):
 def main(argv: list[str] | None = None) -> None:
     args = _args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29538")
     owns_group = not dist.is_initialized()  # a test may call main() inside its own world
-    if owns_group:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+    if owns_group:  # a world of one on an in-memory store: no port, nothing left in os.environ
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     if device.type == "cuda":
         torch.cuda.set_device(0)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -12,6 +12,7 @@ import dataclasses
 import importlib.util
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -449,7 +450,10 @@ def test_plan_refuses_ring_and_deterministic_mode_with_every_other_refusal(monke
 def test_bench_tiny_writes_every_key(tmp_path):
     from bench.attention_precision import main
 
+    env_before = dict(os.environ)
     main(["--out", str(tmp_path), "--tiny", "--repeats", "1"])
+    # nothing left behind for later tests' subprocesses (a MASTER_PORT left set made them bind it)
+    assert dict(os.environ) == env_before
     result = json.loads((tmp_path / "attention_precision.json").read_text())
     assert set(result) == {"meta", "kernel", "rollout"} and result["meta"]["tiny"]
     (kernel,) = result["kernel"]
