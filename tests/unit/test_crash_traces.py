@@ -46,6 +46,9 @@ SCRIPT = textwrap.dedent(
         libc.malloc.restype = ctypes.c_void_p
         libc.free.argtypes = [ctypes.c_void_p]
         block = libc.malloc(64)
+        # The 8 bytes before block + 8 are what free reads as its chunk's size: zeroed, so that
+        # garbage there with the mmapped bit set cannot send it down munmap_chunk's check instead.
+        ctypes.memset(block, 0, 64)
         libc.free(block + 8)  # misaligned: glibc's check aborts ("free(): invalid pointer")
 
     free_a_pointer_glibc_never_gave()
