@@ -59,19 +59,10 @@ def _child(argv: list[str]) -> int:
 
 
 def _table(results: dict) -> str:
-    lines = [
-        "| rollouts | step | canary (first step) | tis_logp_gap | ratio | clipfrac |",
-        "| --- | ---: | ---: | ---: | ---: | ---: |",
-    ]
-    for label, rows in results.items():
-        for r in rows:
-            canary = r.get("train/log_prob_mean_abs_diff")
-            gap = r.get("train/tis_logp_gap")
-            lines.append(
-                f"| {label} | {r['step']} | {'' if canary is None else f'{canary:.2e}'} | "
-                f"{'' if gap is None else f'{gap:.2e}'} | {r['train/ratio']:.7f} | {r['train/clipfrac']:.3f} |"
-            )
-    return "\n".join(lines) + "\n"
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from fp8_cpu import metrics_table  # the same table as the FP8 Linears' CPU run
+
+    return metrics_table(results)
 
 
 def main() -> None:

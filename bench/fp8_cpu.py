@@ -76,6 +76,14 @@ def main() -> None:
         ]
         results[label] = [{"step": r["step"], **{k: r[k] for k in KEYS if k in r}} for r in rows]
     (args.out / "fp8_cpu.json").write_text(json.dumps(results, indent=2) + "\n")
+    text = metrics_table(results)
+    (args.out / "fp8_cpu.md").write_text(text)
+    print(text)
+
+
+def metrics_table(results: dict) -> str:
+    """Per run label and step: the first step's canary, the TIS log-prob gap, the ratio, the clipped
+    fraction (the Markdown of ``fp8_cpu.json``, and of ``bench/attention_cpu.py``'s)."""
     lines = [
         "| rollouts | step | canary (first step) | tis_logp_gap | ratio | clipfrac |",
         "| --- | ---: | ---: | ---: | ---: | ---: |",
@@ -88,9 +96,7 @@ def main() -> None:
                 f"| {label} | {r['step']} | {'' if canary is None else f'{canary:.2e}'} | "
                 f"{'' if gap is None else f'{gap:.2e}'} | {r['train/ratio']:.7f} | {r['train/clipfrac']:.3f} |"
             )
-    text = "\n".join(lines) + "\n"
-    (args.out / "fp8_cpu.md").write_text(text)
-    print(text)
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
