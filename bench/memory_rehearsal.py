@@ -22,6 +22,8 @@ not memory):
 - ``a14b-lora``: Wan2.2-T2V-A14B LoRA 64, 81x480x832, world 8 = sp 8, budget 76 GiB (80 GB cards);
 - ``wan21-14b-full``: Wan2.1-T2V-14B full fine-tune with KL (a reference copy), world 16 = dp 2 x sp 8;
 - ``ti2v-5b``: Wan2.2-TI2V-5B full fine-tune, 81x704x1280, world 8 = dp 2 x sp 4;
+- ``ltx-2b``: LTX-Video 2B full fine-tune (the second model family), 161x512x704 (7,392 tokens),
+  world 8 = dp 2 x sp 4, budget 60 GiB (``configs/ltx_video_2b.yaml``);
 - ``tiny``: the tiny two-expert model with KL, world 4 = dp 2 x sp 2, on CPU in seconds (tests).
 
 Writes ``<case>.json`` and ``<case>.md`` per case and ``rehearsal.md`` (all cases) to ``--out``;
@@ -71,6 +73,8 @@ CASES = {
         fields={"model.lora_rank": 0, "grpo.kl_beta": 0.004, "model.activation_memory_budget_gib": 76.0},
     ),
     "ti2v-5b": Case("wan2.2-ti2v-5b", "configs/wan2_2_ti2v_5b.yaml", world=8, sp=4),
+    # the second model family: LTX-Video 2B (T5-XXL), 161x512x704, world 8 = dp 2 x sp 4, budget 60 GiB
+    "ltx-2b": Case("ltx-video-2b", "configs/ltx_video_2b.yaml", world=8, sp=4),
     "tiny": Case("tiny", "configs/tiny_cpu.yaml", world=4, sp=2, fields={"grpo.kl_beta": 0.01}),
 }
 GPU_CASES = ("a14b-lora", "wan21-14b-full", "ti2v-5b")
