@@ -26,6 +26,11 @@ prints every thread's Python stack) and, by ``--check``:
   ``OUT/logs/<launch>.asan.<pid>``;
 - ``none``: as a user runs it.
 
+``--arms NAME=KEY=VALUE ...`` runs every layout once per arm in turn, each arm's launches with its
+environment variable set (e.g. ``overlap=MILES_RING_OVERLAP=1 waited=MILES_RING_OVERLAP=0``: issue
+46's ring with gloo's collectives overlapped against waited at once); the counts are per layout and
+arm (``u2r2/overlap``), interleaved so that both see the same machine load.
+
 ``--load N`` keeps N busy processes (nice 19) running beside the launches: the reported crash came
 on a loaded machine, where the ranks' threads interleave differently.
 
@@ -87,8 +92,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per launch")
     p.add_argument("--keep-logs", action="store_true", help="keep the logs of passing launches too")
+    p.add_argument(
+        "--arms", nargs="+", default=[], metavar="NAME=KEY=VALUE", help="launch each layout once per arm"
+    )
     p.add_argument("extra", nargs="*", help="further train_grpo.py flags for every launch (after --)")
     args = p.parse_args(argv)
+    try:
+        args.arm_env = {a.split("=", 1)[0]: dict([a.split("=", 1)[1].split("=", 1)]) for a in args.arms}
+    except (ValueError, IndexError):
+        p.error(f"--arms takes NAME=KEY=VALUE, got {args.arms}")
+    if any(not name for name in args.arm_env):
+        p.error(f"--arms takes NAME=KEY=VALUE, got {args.arms}")
     known = {b[0] for b in BANDS}
     if unknown := set(args.layouts.split(",")) - known:
         p.error(f"unknown layouts {sorted(unknown)}; known: {sorted(known)}")
@@ -159,8 +173,10 @@ def fault_trace(output: str, limit: int = 80) -> list[str]:
     return lines[start : start + limit]
 
 
-def launch(args: argparse.Namespace, layout: str, sp: int, ulysses: int, index: int) -> dict:
-    name = f"{layout}_{index:03d}"
+def launch(
+    args: argparse.Namespace, layout: str, sp: int, ulysses: int, index: int, arm: str | None = None
+) -> dict:
+    name = f"{layout}_{index:03d}" + (f"_{arm}" if arm else "")
     logs = args.out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     run_dir, finished = args.out / "runs" / name, args.out / "runs" / f"{name}.finished"
@@ -174,6 +190,7 @@ def launch(args: argparse.Namespace, layout: str, sp: int, ulysses: int, index: 
         "PYTHONFAULTHANDLER": "1",
         "MILES_FINISHED_DIR": str(finished),  # train_grpo.py: rank<R> once that rank's work returned 0
         **check_env(args.check, args.perturb, logs / name),
+        **(args.arm_env[arm] if arm else {}),
     }
     cmd = command(args, sp, ulysses, name)
     load_start = os.getloadavg()[0]
@@ -202,7 +219,8 @@ def launch(args: argparse.Namespace, layout: str, sp: int, ulysses: int, index: 
         shutil.rmtree(run_dir, ignore_errors=True)
     shutil.rmtree(finished, ignore_errors=True)
     return {
-        "layout": layout,
+        "layout": f"{layout}/{arm}" if arm else layout,
+        "arm": arm,
         "index": index,
         "returncode": rc,
         "wall_s": round(wall, 1),
@@ -226,7 +244,7 @@ def mark_diverged(rows: list[dict]) -> None:
     for r in rows:
         if r["metrics_sha256"] is None:
             continue
-        ref = first.setdefault(r["layout"], r["metrics_sha256"])
+        ref = first.setdefault(r["layout"].split("/")[0], r["metrics_sha256"])  # every arm alike
         r["diverged"] = r["metrics_sha256"] != ref
 
 
@@ -255,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     layouts = args.layouts.split(",")
+    arms = list(args.arm_env) or [None]
+    keys = [f"{layout}/{arm}" if arm else layout for layout in layouts for arm in arms]
     bands = {b[0]: b for b in BANDS}
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in ("out",)}
     settings["env"] = {k: v for k, v in check_env(args.check, args.perturb, Path("<log>")).items()}
@@ -264,26 +284,26 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.monotonic()
     try:
         for index in range(args.runs):
-            for layout in layouts:
+            for layout, arm in [(layout, arm) for layout in layouts for arm in arms]:
                 if args.minutes is not None and time.monotonic() - t_start > 60 * args.minutes:
                     break
                 _, sp, ulysses = bands[layout]
-                row = launch(args, layout, sp, ulysses, index)
+                row = launch(args, layout, sp, ulysses, index, arm)
                 rows.append(row)
                 note = (
                     f" ({row['kind']}: {row['lines'][0] if row['lines'] else ''})" if row["crashed"] else ""
                 )
                 print(
-                    f"[sp_stress] {layout} #{index}: rc {row['returncode']}, {row['wall_s']} s{note}",
+                    f"[sp_stress] {row['layout']} #{index}: rc {row['returncode']}, {row['wall_s']} s{note}",
                     flush=True,
                 )
-                summary = {"settings": settings, **summarize(rows, layouts), "runs": rows}
+                summary = {"settings": settings, **summarize(rows, keys), "runs": rows}
                 (args.out / "stress.json").write_text(json.dumps(summary, indent=2) + "\n")
     finally:
         for p in load:
             p.kill()
             p.wait()
-    summary = summarize(rows, layouts)
+    summary = summarize(rows, keys)
     for layout, v in summary["layouts"].items():
         print(
             f"[sp_stress] {layout}: {v['crashes']} crash(es) ({v['heap']} heap), {v['diverged']} diverged, "

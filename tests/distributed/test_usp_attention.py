@@ -98,6 +98,53 @@ def _gather_backward_body(rank, world_size):
     assert all(torch.equal(c, copies[0]) for c in copies)
 
 
+def _ring_waits_body(rank, world_size):
+    """Issue 46's workaround: on gloo the ring waits each collective at once, so none is in flight
+    while the attention kernel runs; the values are those of the overlapped ring bit for bit."""
+    import os
+
+    import miles.sequence_parallel.ring as ring_mod
+
+    dims = ParallelDims(world_size=world_size, sequence_parallel_size=world_size, ulysses_degree=1)
+    mesh = build_parallel_mesh(dims, "cpu")
+    g = torch.Generator().manual_seed(FIXED_SEEDS[2])
+    q, k, v, grad_out = (torch.randn(2, 16 * world_size, 4, 16, generator=g) for _ in range(4))
+    registry = torch._C._distributed_c10d._get_work_registry_size
+    kernel = ring_mod.CPU_RING_KERNEL
+    seen: list[int] = []
+
+    def counted(fn):
+        def call(*args, **kwargs):
+            seen.append(registry())  # functional-collective works issued and not yet waited
+            return fn(*args, **kwargs)
+
+        return call
+
+    ring_mod.CPU_RING_KERNEL = ring_mod.RingKernel(
+        kernel.name, counted(kernel.forward), counted(kernel.backward)
+    )
+    try:
+        runs = {}
+        for overlap in ("1", None):
+            seen.clear()
+            if overlap:
+                os.environ["MILES_RING_OVERLAP"] = overlap
+            try:
+                runs[overlap] = (_usp_run(q, k, v, grad_out, mesh), list(seen))
+            finally:
+                os.environ.pop("MILES_RING_OVERLAP", None)
+    finally:
+        ring_mod.CPU_RING_KERNEL = kernel
+    (overlapped, seen_overlap), (waited, seen_waited) = runs["1"], runs[None]
+    assert ring_mod.one_collective_in_flight(mesh.ring_group)
+    assert max(seen_overlap) >= 1, (
+        f"the overlapped ring had nothing in flight beside the kernel: {seen_overlap}"
+    )
+    assert seen_waited and max(seen_waited) == 0, f"collectives in flight beside the kernel: {seen_waited}"
+    for label, x, y in zip(("out", "dq", "dk", "dv"), waited, overlapped):
+        assert torch.equal(x, y), f"{label}: the waited ring differs from the overlapped one"
+
+
 def test_usp_attention_world4():
     seed = FIXED_SEEDS[0]
     bands = [(u, dtype) for u in (4, 2, 1) for dtype in DTYPES]  # u4r1, u2r2, u1r4
@@ -109,3 +156,4 @@ def test_usp_attention_world2_and_gather_backward():
     bands = [(u, dtype) for u in (2, 1) for dtype in DTYPES]  # u2r1, u1r2
     run_pooled(_bands_body, 2, bands, seed)
     run_pooled(_gather_backward_body, 2)
+    run_pooled(_ring_waits_body, 2)

@@ -65,3 +65,26 @@ def test_each_check_sets_the_allocators_variables(tmp_path):
     assert env["MALLOC_CHECK_"] == "3" and env["MALLOC_PERTURB_"] == "165"
     if any(Path(p).exists() for p in sp_stress.MALLOC_DEBUG):  # glibc >= 2.34 needs it preloaded
         assert "libc_malloc_debug" in env["LD_PRELOAD"]
+
+
+def test_arms_set_their_variable_and_every_arm_must_match_the_layouts_first(tmp_path):
+    args = sp_stress.parse_args(
+        ["--out", str(tmp_path), "--arms", "overlap=MILES_RING_OVERLAP=1", "waited=MILES_RING_OVERLAP=0"]
+    )
+    assert args.arm_env == {"overlap": {"MILES_RING_OVERLAP": "1"}, "waited": {"MILES_RING_OVERLAP": "0"}}
+    for bad in (["x"], ["=K=V"], ["name=novalue"]):
+        try:
+            sp_stress.parse_args(["--out", str(tmp_path), "--arms", *bad])
+        except SystemExit as e:
+            assert e.code == 2
+        else:
+            raise AssertionError(f"--arms {bad} accepted")
+    rows = [
+        {"layout": f"u2r2/{arm}", "metrics_sha256": d, "crashed": False, "kind": "pass", "wall_s": 1.0}
+        for arm, d in (("overlap", "aa"), ("waited", "aa"), ("overlap", "aa"), ("waited", "bb"))
+    ]
+    summary = sp_stress.summarize(rows, ["u2r2/overlap", "u2r2/waited"])
+    assert [r["diverged"] for r in rows] == [False, False, False, True]  # the arms must agree bitwise
+    assert summary["layouts"]["u2r2/waited"] == {
+        "runs": 2, "crashes": 0, "heap": 0, "diverged": 1, "mean_wall_s": 1.0
+    }  # fmt: skip
