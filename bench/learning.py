@@ -373,6 +373,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--parallel", action="store_true", help="run the launches at once (needs >= 12 cores)")
     p.add_argument("--gpu", action="store_true", help="one process per run on the GPU, bf16 (see _GPU)")
     p.add_argument("--time-limit", type=float, default=None, help="stop runs still going after this many s")
+    p.add_argument(
+        "--read",
+        action="store_true",
+        help="launch nothing: rebuild learning.{json,md,png} from the run directories in --out "
+        "(e.g. runs resumed after a time limit; their times then include the pause)",
+    )
     p.add_argument("extra", nargs="*", help="further train_grpo.py flags (after --)")
     return p
 
@@ -380,18 +386,21 @@ def parser() -> argparse.ArgumentParser:
 def main() -> None:
     args = parser().parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    if any(name.startswith("sft-") for name in args.runs):  # the SFT runs' data
+    if any(name.startswith("sft-") for name in args.runs) and not args.read:  # the SFT runs' data
         subprocess.run([sys.executable, "-m", "miles.world.sft_data", str(WORLD_SFT)], cwd=ROOT, check=True)
-    walls = launch_all(
-        args.out,
-        args.runs,
-        args.num_rollouts,
-        args.extra,
-        args.parallel,
-        args.config,
-        args.gpu,
-        args.time_limit,
-    )
+    if args.read:
+        walls = {name: float("nan") for name in args.runs}
+    else:
+        walls = launch_all(
+            args.out,
+            args.runs,
+            args.num_rollouts,
+            args.extra,
+            args.parallel,
+            args.config,
+            args.gpu,
+            args.time_limit,
+        )
     results = {}
     for name in args.runs:
         results[name] = read_run(args.out / name, walls[name])

@@ -15,8 +15,11 @@
 #   lr 1e-4 with its twin at seed 0, 300 optimizer steps or the time limit, held-out every 10
 #   rollouts over 8 unseen prompts x 16 seeds (eval.seed fixed: the same noise for every run).
 #
-# The GPU machine has no diffusers: carry .whl (bash bench/speed_gpu.sh wheels OUT, here). Results:
-# OUT/reh (the rehearsal's JSON and Markdown), OUT/curves/<seed>/ (learning.json, learning.md, logs).
+# The GPU machine has no diffusers: carry .whl (bash bench/speed_gpu.sh wheels OUT, here). Results, in
+# one archive (the device tool brings back few files): OUT/ltx45.tgz with reh/ (the rehearsal's JSON
+# and Markdown), curves/<batch>/ (learning.json, learning.md, logs, each run's metrics and evaluations);
+# OUT/rehearsal.log. Runs cut by the time limit resume from their checkpoints: relaunch the command
+# each printed (then `bench/learning.py --read` rebuilds the tables; bench/learning_seeds.py the mean).
 # DRY=1 prints the commands.
 set -euo pipefail
 out=${1:?OUT folder}
@@ -51,13 +54,17 @@ for seed in 0 1 2; do
   bg curves "nft-s$seed" "$seed" --runs nft-dp4-lr1e-4 nft-dp4-negated-lr1e-4 --
 done
 bg curves grpo-s0 0 --runs dp4-lr1e-4 dp4-negated-lr1e-4 -- --algorithm.name flow_grpo
-reh=(timeout $((limit - 60)) $py bench/memory_rehearsal.py --out "$out/reh" --work "$scratch/reh"
+reh=(timeout $((limit - 60)) $py bench/memory_rehearsal.py --out "$scratch/pack/reh" --work "$scratch/reh"
   --cases ltx-2b --num-steps 4 --export-to-null)
 if [ -n "${DRY:-}" ]; then run "${reh[@]}"; else "${reh[@]}" > "$out/rehearsal.log" 2>&1 || echo "[ltx] rehearsal exit $?"; fi
 for pid in "${pids[@]+"${pids[@]}"}"; do wait "$pid" || echo "[ltx] a curve batch exited $?"; done
-for name in nft-s0 nft-s1 nft-s2 grpo-s0; do
-  mkdir -p "$out/curves/$name"
-  cp "$scratch/$name.log" "$out/curves/$name/" 2>/dev/null || true
-  cp "$scratch/$name"/learning.{json,md} "$scratch/$name"/*.log "$out/curves/$name/" 2>/dev/null || true
-done
+if [ -z "${DRY:-}" ]; then
+  for name in nft-s0 nft-s1 nft-s2 grpo-s0; do
+    mkdir -p "$scratch/pack/curves/$name"
+    cp "$scratch/$name.log" "$scratch/$name"/learning.{json,md} "$scratch/$name"/*.log "$scratch/pack/curves/$name/" 2>/dev/null || true
+    (cd "$scratch" && find "$name" \( -name '*.jsonl' -o -path '*/eval/step_*.json' \) -not -path '*/checkpoints/*' \
+      | tar cf - -T - | tar xf - -C "$scratch/pack/curves") || true
+  done
+  tar czf "$out/ltx45.tgz" -C "$scratch/pack" .
+fi
 echo "[ltx] done in $((SECONDS - start)) s"

@@ -68,3 +68,54 @@ def test_every_command_parses_and_each_curve_passes_the_dry_run(tmp_path):
     assert words[0] == "timeout" and int(words[1]) <= 570
     case = CASES[words[words.index("--cases") + 1]]
     assert case.recipe == "configs/ltx_video_2b.yaml" and (case.world, case.sp) == (8, 4)
+
+
+def _fake_run(run_dir: Path, evals: list[tuple[int, float]], scores: list[float]) -> None:
+    import json
+
+    (run_dir / "eval").mkdir(parents=True)
+    rows = [{"step": s, "time": 100.0 + s, "reward/mean": a} for s, a in evals if s]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ev = [
+        {"step": s, "rollout": s // 2, "time": 100.0 + s, "time/eval_s": 1.0, "eval/reward/mean": a}
+        for s, a in evals
+    ]
+    (run_dir / "eval.jsonl").write_text("".join(json.dumps(e) + "\n" for e in ev))
+    samples = [{"prompt": f"p{i}", "seed": 0, "reward": r} for i, r in enumerate(scores)]
+    (run_dir / "eval" / f"step_{evals[-1][0]:06d}.json").write_text(json.dumps({"samples": samples}))
+
+
+def test_runs_resumed_elsewhere_are_read_back_and_seeds_summarized(tmp_path, monkeypatch):
+    """``bench/learning.py --read`` rebuilds a seed's tables from run directories without launching;
+    ``bench/learning_seeds.py`` gives each run's mean, spread and error ratio over the seeds."""
+    import json
+
+    from bench import learning, learning_seeds
+
+    finals = {0: 0.5, 1: 0.6, 2: 0.55}
+    for seed, final in finals.items():
+        out = tmp_path / f"s{seed}"
+        _fake_run(out / "nft-dp4-lr1e-4", [(0, 0.2), (2, 0.4), (4, final)], [final, final])
+        _fake_run(out / "nft-dp4-negated-lr1e-4", [(0, 0.2), (4, 0.01 * seed)], [0.0, 0.02 * seed])
+        argv = [
+            "learning.py",
+            "--read",
+            "--out",
+            str(out),
+            "--runs",
+            "nft-dp4-lr1e-4",
+            "nft-dp4-negated-lr1e-4",
+        ]
+        monkeypatch.setattr(sys, "argv", argv)
+        monkeypatch.setattr(learning, "launch_all", lambda *a, **k: (_ for _ in ()).throw(AssertionError))
+        learning.main()
+        got = json.loads((out / "learning.json").read_text())
+        assert [e["adherence"] for e in got["nft-dp4-lr1e-4"]["eval"]] == [0.2, 0.4, final]
+    learning_seeds.main(["--out", str(tmp_path / "seeds.json"), *(str(tmp_path / f"s{s}") for s in finals)])
+    runs = json.loads((tmp_path / "seeds.json").read_text())["runs"]
+    nft = runs["nft-dp4-lr1e-4"]
+    assert nft["final"] == [0.5, 0.6, 0.55] and abs(nft["final_mean"] - 0.55) < 1e-12
+    assert abs(nft["final_std"] - 0.05) < 1e-12 and nft["final_range"] == [0.5, 0.6]
+    assert abs(nft["error_ratio_of_means"] - 0.45 / 0.8) < 1e-12
+    assert runs["nft-dp4-negated-lr1e-4"]["final"] == [0.0, 0.01, 0.02]
+    assert "0.550 ± 0.050" in (tmp_path / "seeds.md").read_text()
