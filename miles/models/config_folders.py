@@ -200,10 +200,10 @@ VAE_WAN22 = dict(
 
 
 def _tiny() -> dict:
-    from miles.models.tiny import BOUNDARY_RATIO, TINY_TEXT_ENCODER, TINY_TRANSFORMER, TINY_VAE
+    from miles.models.tiny_t2v import BOUNDARY_RATIO, TINY_TRANSFORMER, TINY_VAE, text_encoder_config
 
     transformer = dict(TINY_TRANSFORMER, patch_size=list(TINY_TRANSFORMER["patch_size"]))
-    text = dict(TINY_TEXT_ENCODER, vocab_size=259, pad_token_id=0, eos_token_id=1)
+    text = text_encoder_config(259)
     return dict(
         transformer=transformer, experts=2, boundary_ratio=BOUNDARY_RATIO, text_encoder=text, vae=TINY_VAE
     )
