@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from miles.models.dtypes import DTYPES, text_encoder_dtype
+from miles.models.dtypes import DTYPES, text_encoder_dtype, text_encoder_on
 from miles.models.folder import read_json, read_pipeline_index, resolve_model_path  # noqa: F401
 from miles.models.i2v import check_i2v_run, condition_mode, encode_image_condition, text_pipeline
 from miles.rollout.condition import ImageCondition
@@ -189,10 +189,7 @@ class WanModel:
     def encode_prompts(self, prompts: list[str], negative_prompt: str, max_sequence_length: int, device):
         """(prompt_embeds, negative_embeds), each (B, L, text_dim), via the pipeline's own encoder."""
         pipe = self.pipeline
-        home = next(pipe.text_encoder.parameters()).device
-        if self.text_encoder_offload:
-            pipe.text_encoder.to(device)
-        try:
+        with text_encoder_on(pipe.text_encoder, device, self.text_encoder_offload):
             pos, neg = pipe.encode_prompt(
                 prompt=prompts,
                 negative_prompt=[negative_prompt] * len(prompts),
@@ -200,9 +197,6 @@ class WanModel:
                 max_sequence_length=max_sequence_length,
                 device=device,
             )
-        finally:
-            if self.text_encoder_offload:
-                pipe.text_encoder.to(home)
         return pos, neg
 
     @torch.no_grad()
