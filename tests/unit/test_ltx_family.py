@@ -7,30 +7,16 @@ trainer: tests/e2e/test_ltx_e2e.py.)"""
 from __future__ import annotations
 
 import inspect
-from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 
-TINY_DIR = Path(__file__).resolve().parents[2] / ".cache" / "tiny-wan"
+from tests.models import TINY_DIR, load_tiny_ltx
 
 
 @pytest.fixture(scope="module")
 def ltx():
-    from miles.models.family import family_of
-    from miles.models.tiny import tiny_model_path
-
-    cfg = SimpleNamespace(
-        path=str(tiny_model_path(TINY_DIR, "ltx")),
-        task="auto",
-        text_encoder_dtype="float32",
-        vae_dtype="float32",
-        text_encoder_offload=False,
-        vae_tiling=False,
-        init="pretrained",
-    )
-    return family_of(Path(cfg.path)).load(cfg, torch.device("cpu"))
+    return load_tiny_ltx()
 
 
 def test_the_seam_holds_both_families_and_names_neither():
