@@ -415,12 +415,10 @@ def calibrate_block_memory(
     embeddings' dtype): an eager block keeps its fp32 shift/scale/gate products (32·D bytes a token
     more than with one timestep per sample), a compiled one recomputes them in backward from that
     input (fed an fp32 input instead, a compiled block kept them: the dtype matters)."""
-    from miles.blocks import calibration_block
-    from miles.parallel.checkpointing import measure_block_memory
+    from miles.parallel.checkpointing import measure_first_block_memory
 
     cfg = transformer.config
     dim = cfg.num_attention_heads * cfg.attention_head_dim
-    block = calibration_block(transformer, device, dtype)
 
     def make_inputs():
         hidden = torch.randn(batch, tokens, dim, device=device, dtype=dtype, requires_grad=True)
@@ -430,11 +428,7 @@ def calibrate_block_memory(
         rope = torch.randn(1, tokens, 1, cfg.attention_head_dim, device=device, dtype=torch.float32)
         return hidden, context, temb, (rope, rope)
 
-    try:
-        return measure_block_memory(block, make_inputs, device, compiled=compiled)
-    finally:
-        del block
-        torch.cuda.empty_cache()
+    return measure_first_block_memory(transformer, make_inputs, device, dtype, compiled=compiled)
 
 
 def run_condition_mode(model_cfg, max_sequence_length: int) -> str | None:

@@ -90,3 +90,30 @@ def test_the_dry_run_refuses_the_pipeline_eval_sampler():
     cfg, _ = parse_args(flags)
     with pytest.raises(PlanError, match="use eval.sampler rollout"):
         plan_run(cfg, 1, device_type="cpu")
+
+
+def test_the_block_calibration_runs_a_copy_of_block_0_on_the_inputs_it_shapes(monkeypatch):
+    """``calibrate_ltx_block_memory`` (through ``measure_first_block_memory``) hands the measurement a
+    detached copy of block 0 and inputs the block takes, forward and backward, in the asked dtype
+    (the CUDA measurement itself: tests/gpu)."""
+    from diffusers import LTXVideoTransformer3DModel
+
+    import miles.parallel.checkpointing as checkpointing
+    from miles.models.ltx_sp import calibrate_ltx_block_memory
+    from tests.models import TINY_LTX
+
+    torch.manual_seed(0)
+    model = LTXVideoTransformer3DModel(**TINY_LTX)
+    seen = {}
+
+    def measure(block, make_inputs, device, compiled=False):
+        out = block(*make_inputs())
+        out.sum().backward()
+        seen.update(shape=tuple(out.shape), dtype=out.dtype, copy=block is not model.transformer_blocks[0])
+        return {mode: float(i) for i, mode in enumerate(checkpointing.MODES)}
+
+    monkeypatch.setattr(checkpointing, "measure_block_memory", measure)
+    got = calibrate_ltx_block_memory(model, 12, torch.device("cpu"), batch=2, dtype=torch.float32)
+    assert got == {mode: float(i) for i, mode in enumerate(checkpointing.MODES)}
+    assert seen == dict(shape=(2, 12, 64), dtype=torch.float32, copy=True)
+    assert model.transformer_blocks[0].attn1.to_q.weight.grad is None  # the model's own block untouched
