@@ -7,6 +7,7 @@ trainer: tests/e2e/test_ltx_e2e.py.)"""
 from __future__ import annotations
 
 import inspect
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -117,3 +118,25 @@ def test_the_block_calibration_runs_a_copy_of_block_0_on_the_inputs_it_shapes(mo
     assert got == {mode: float(i) for i, mode in enumerate(checkpointing.MODES)}
     assert seen == dict(shape=(2, 12, 64), dtype=torch.float32, copy=True)
     assert model.transformer_blocks[0].attn1.to_q.weight.grad is None  # the model's own block untouched
+
+
+def test_a_configs_only_folder_warns_in_the_dry_run_and_is_refused_by_the_real_run(tmp_path):
+    """``load_meta`` of an LTX folder without its tokenizer and with an unreadable text-encoder config:
+    the dry run warns about both (the text encoder is then not counted), the real run refuses."""
+    import shutil
+
+    from miles.models.ltx_family import LTX
+    from miles.models.tiny import tiny_model_path
+
+    folder = tmp_path / "ltx"
+    shutil.copytree(tiny_model_path(TINY_DIR, "ltx"), folder, ignore=shutil.ignore_patterns("*.safetensors"))
+    shutil.rmtree(folder / "tokenizer")
+    (folder / "text_encoder" / "config.json").write_text("{not json")
+    cfg = SimpleNamespace(model=SimpleNamespace(path=str(folder), task="auto"))
+    model, _, warnings = LTX.load_meta(cfg)
+    assert model.pipeline.text_encoder is None and model.transformers[0].device.type == "meta"
+    assert len(warnings) == 2, warnings
+    assert "the real run will refuse this folder" in warnings[0] and "'tokenizer'" in warnings[0]
+    assert warnings[1].startswith("text encoder config unreadable")
+    with pytest.raises(ValueError, match="lacks the 'tokenizer' folder"):
+        LTX.load_meta(cfg, strict=True)
