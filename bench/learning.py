@@ -359,7 +359,7 @@ def speedup_vs_grpo(name: str, grpo: dict, label: str, run: str, other: dict, di
     )
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--num-rollouts", type=int, default=20)
@@ -374,7 +374,11 @@ def main() -> None:
     p.add_argument("--gpu", action="store_true", help="one process per run on the GPU, bf16 (see _GPU)")
     p.add_argument("--time-limit", type=float, default=None, help="stop runs still going after this many s")
     p.add_argument("extra", nargs="*", help="further train_grpo.py flags (after --)")
-    args = p.parse_args()
+    return p
+
+
+def main() -> None:
+    args = parser().parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if any(name.startswith("sft-") for name in args.runs):  # the SFT runs' data
         subprocess.run([sys.executable, "-m", "miles.world.sft_data", str(WORLD_SFT)], cwd=ROOT, check=True)

@@ -38,20 +38,23 @@ evals=(--eval.every 10 --eval.num-seeds 16 --run.wandb-mode disabled)
 pids=()
 curves() {  # NAME SEED RUNS... [-- FLAGS]
   local name=$1 seed=$2; shift 2
+  local cmd=($py bench/learning.py --gpu --parallel --config configs/world_ltx_cpu.yaml --out "$scratch/$name"
+    --num-rollouts "$rollouts" --time-limit "$curve_limit" "$@" --run.seed "$seed" "${evals[@]}")
+  if [ -n "${DRY:-}" ]; then run "${cmd[@]}"; return; fi
   mkdir -p "$scratch/$name"
-  run $py bench/learning.py --gpu --parallel --config configs/world_ltx_cpu.yaml --out "$scratch/$name" \
-    --num-rollouts "$rollouts" --time-limit "$curve_limit" "$@" --run.seed "$seed" "${evals[@]}" \
-    > "$scratch/$name.log" 2>&1
+  "${cmd[@]}" > "$scratch/$name.log" 2>&1
+}
+bg() {  # in the background (with DRY=1 in turn: one printed line each)
+  if [ -n "${DRY:-}" ]; then "$@"; else "$@" & pids+=($!); fi
 }
 for seed in 0 1 2; do
-  curves "nft-s$seed" "$seed" --runs nft-dp4-lr1e-4 nft-dp4-negated-lr1e-4 -- &
-  pids+=($!)
+  bg curves "nft-s$seed" "$seed" --runs nft-dp4-lr1e-4 nft-dp4-negated-lr1e-4 --
 done
-curves grpo-s0 0 --runs dp4-lr1e-4 dp4-negated-lr1e-4 -- --algorithm.name flow_grpo &
-pids+=($!)
-run timeout $((limit - 60)) $py bench/memory_rehearsal.py --out "$out/reh" --work "$scratch/reh" \
-  --cases ltx-2b --num-steps 4 --export-to-null > "$out/rehearsal.log" 2>&1 || echo "[ltx] rehearsal exit $?"
-for pid in "${pids[@]}"; do wait "$pid" || echo "[ltx] a curve batch exited $?"; done
+bg curves grpo-s0 0 --runs dp4-lr1e-4 dp4-negated-lr1e-4 -- --algorithm.name flow_grpo
+reh=(timeout $((limit - 60)) $py bench/memory_rehearsal.py --out "$out/reh" --work "$scratch/reh"
+  --cases ltx-2b --num-steps 4 --export-to-null)
+if [ -n "${DRY:-}" ]; then run "${reh[@]}"; else "${reh[@]}" > "$out/rehearsal.log" 2>&1 || echo "[ltx] rehearsal exit $?"; fi
+for pid in "${pids[@]+"${pids[@]}"}"; do wait "$pid" || echo "[ltx] a curve batch exited $?"; done
 for name in nft-s0 nft-s1 nft-s2 grpo-s0; do
   mkdir -p "$out/curves/$name"
   cp "$scratch/$name.log" "$out/curves/$name/" 2>/dev/null || true

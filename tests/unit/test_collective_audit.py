@@ -33,6 +33,7 @@ dist.all_reduce(torch.ones(4, 4).t()[:, :2])         # line 11: a non-contiguous
 work = dist.all_reduce(torch.ones(5), async_op=True) # line 12: never waited
 y = ft_c.all_reduce(torch.ones(6), "sum", dist.group.WORLD)   # never waited
 dist.barrier()
+os._exit(0)  # the hook reports first; the unwaited works must not meet teardown (gloo can abort there)
 """
 
 
