@@ -27,21 +27,16 @@ checks of the environment. A heap-check abort ends the launch instead (its exit 
 from __future__ import annotations
 
 import argparse
-import faulthandler
-import json
 import os
-import threading
+import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-
-def _allocate_beside(stop: threading.Event) -> None:
-    while not stop.is_set():
-        blocks = [torch.empty(int(n)).fill_(1.0) for n in torch.randint(1, 250, (16,))]
-        del blocks
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ring_collectives_stress import allocating_beside, report, ring_world  # noqa: E402
 
 
 def _math_kernel():
@@ -93,13 +88,7 @@ def main() -> None:
     p.add_argument("--shape", default="2,16,2,16", help="B,n,H,D of each rank's queries (ring rank's tokens)")
     p.add_argument("--with-others", action="store_true", help="FSDP-like and Ulysses collectives around each")
     args = p.parse_args()
-    faulthandler.enable(all_threads=True)
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if world != 4:
-        raise SystemExit("run with 4 processes (the ring groups of u2r2)")
-    rings = [dist.new_group([0, 2]), dist.new_group([1, 3])]
-    group = rings[rank % 2]
+    rank, group = ring_world()
     ulysses = [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2]
     if args.variant == "math":
         kernel = _math_kernel()
@@ -108,43 +97,31 @@ def main() -> None:
     gen = torch.Generator().manual_seed(rank)
     q, k, v = (torch.randn(b, n, h, d, generator=gen) for _ in range(3))
     grad = torch.randn(b, n, h, d, generator=gen)
-    stop = threading.Event()
-    beside = threading.Thread(target=_allocate_beside, args=(stop,), daemon=True)
-    beside.start()
-    reference = None
-    wrong = 0
-    t0 = time.perf_counter()
-    for it in range(args.iterations):
-        if args.with_others:
-            wrong += not _others(it, ulysses)
-        qi, ki, vi = (t.clone().requires_grad_(True) for t in (q, k, v))
-        out = ring.ring_attention(qi, ki, vi, group)
-        out.backward(grad)
-        result = (out.detach(), qi.grad, ki.grad, vi.grad)
-        if reference is None:
-            reference = result
-        else:
-            wrong += not all(torch.equal(a, r) for a, r in zip(result, reference))
-    seconds = time.perf_counter() - t0
-    stop.set()
-    beside.join()
-    total = torch.tensor([wrong])
-    dist.all_reduce(total)
-    if rank == 0:
-        env = {
-            k: os.environ[k] for k in ("LD_PRELOAD", "MALLOC_CHECK_", "MALLOC_PERTURB_") if k in os.environ
-        }
-        result = {
-            "variant": args.variant,
-            "with_others": args.with_others,
-            "shape_BnHD": [b, n, h, d],
-            "iterations": args.iterations,
-            "wrong_results": int(total),
-            "seconds": round(seconds, 1),
-        }
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({**result, "env": env}, indent=2) + "\n")
-        print(f"[ring_backward_stress] {result}", flush=True)
+    with allocating_beside():
+        reference = None
+        wrong = 0
+        t0 = time.perf_counter()
+        for it in range(args.iterations):
+            if args.with_others:
+                wrong += not _others(it, ulysses)
+            qi, ki, vi = (t.clone().requires_grad_(True) for t in (q, k, v))
+            out = ring.ring_attention(qi, ki, vi, group)
+            out.backward(grad)
+            result = (out.detach(), qi.grad, ki.grad, vi.grad)
+            if reference is None:
+                reference = result
+            else:
+                wrong += not all(torch.equal(a, r) for a, r in zip(result, reference))
+        seconds = time.perf_counter() - t0
+    result = {
+        "variant": args.variant,
+        "with_others": args.with_others,
+        "shape_BnHD": [b, n, h, d],
+        "iterations": args.iterations,
+        "wrong_results": wrong,
+        "seconds": round(seconds, 1),
+    }
+    report("ring_backward_stress", args.out, result)
     dist.destroy_process_group()
 
 

@@ -20,6 +20,7 @@ environment's heap-check variables.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
 import json
 import os
@@ -31,11 +32,51 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as ft_c
 
+HEAP_CHECKS = ("LD_PRELOAD", "MALLOC_CHECK_", "MALLOC_PERTURB_")
 
-def _allocate_beside(stop: threading.Event) -> None:
+
+def _allocate(stop: threading.Event) -> None:
     while not stop.is_set():
         blocks = [torch.empty(int(n)).fill_(1.0) for n in torch.randint(1, 250, (16,))]
         del blocks
+
+
+@contextlib.contextmanager
+def allocating_beside():
+    """A thread allocating and freeing small tensors for the block (the reward worker's part)."""
+    stop = threading.Event()
+    beside = threading.Thread(target=_allocate, args=(stop,), daemon=True)
+    beside.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        beside.join()
+
+
+def ring_world() -> tuple[int, dist.ProcessGroup]:
+    """gloo on 4 ranks (faulthandler on every thread): (rank, this rank's ring group of u2r2, {0, 2}
+    or {1, 3})."""
+    faulthandler.enable(all_threads=True)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world != 4:
+        raise SystemExit("run with 4 processes (the ring groups of u2r2)")
+    rings = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    return rank, rings[rank % 2]
+
+
+def report(name: str, out: Path, result: dict) -> None:
+    """Sum ``result["wrong_results"]`` (this rank's) over the ranks; rank 0 writes ``out`` (``result``
+    with the sum, the heap checks of the environment) and prints it."""
+    total = torch.tensor([result["wrong_results"]])
+    dist.all_reduce(total)
+    if dist.get_rank() == 0:
+        env = {k: os.environ[k] for k in HEAP_CHECKS if k in os.environ}
+        result = {**result, "wrong_results": int(total)}
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({**result, "env": env}, indent=2) + "\n")
+        print(f"[{name}] {result}", flush=True)
 
 
 def _iteration(it: int, group: dist.ProcessGroup, gen: torch.Generator) -> bool:
@@ -62,32 +103,14 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True, help="JSON written by rank 0")
     p.add_argument("--iterations", type=int, default=3000)
     args = p.parse_args()
-    faulthandler.enable(all_threads=True)
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if world != 4:
-        raise SystemExit("run with 4 processes (the ring groups of u2r2)")
-    rings = [dist.new_group([0, 2]), dist.new_group([1, 3])]
-    group = rings[rank % 2]
-    stop = threading.Event()
-    beside = threading.Thread(target=_allocate_beside, args=(stop,), daemon=True)
-    beside.start()
-    gen = torch.Generator().manual_seed(1234)  # the same sizes on every rank
-    t0 = time.perf_counter()
-    wrong = sum(not _iteration(it, group, gen) for it in range(args.iterations))
-    seconds = time.perf_counter() - t0
-    stop.set()
-    beside.join()
-    total = torch.tensor([wrong])
-    dist.all_reduce(total)
-    if rank == 0:
-        env = {
-            k: os.environ[k] for k in ("LD_PRELOAD", "MALLOC_CHECK_", "MALLOC_PERTURB_") if k in os.environ
-        }
-        result = {"iterations": args.iterations, "wrong_results": int(total), "seconds": round(seconds, 1)}
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({**result, "env": env}, indent=2) + "\n")
-        print(f"[ring_collectives_stress] {result}", flush=True)
+    _, group = ring_world()
+    with allocating_beside():
+        gen = torch.Generator().manual_seed(1234)  # the same sizes on every rank
+        t0 = time.perf_counter()
+        wrong = sum(not _iteration(it, group, gen) for it in range(args.iterations))
+        seconds = time.perf_counter() - t0
+    result = {"iterations": args.iterations, "wrong_results": wrong, "seconds": round(seconds, 1)}
+    report("ring_collectives_stress", args.out, result)
     dist.destroy_process_group()
 
 

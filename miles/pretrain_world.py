@@ -73,13 +73,13 @@ from miles.pretrain_resume import (
     timed,
 )
 from miles.world.pretrain_data import VideoPool as VideoPool
+from miles.world.pretrain_data import ball_centres, video_pool
 from miles.world.pretrain_data import crop_batch as _crop_batch
 from miles.world.pretrain_data import encode_training_set as encode_training_set
 from miles.world.pretrain_data import encode_videos as encode_videos
 from miles.world.pretrain_data import render_dataset as render_dataset
 from miles.world.pretrain_data import set_latent_stats as set_latent_stats
-from miles.world.pretrain_data import video_pool
-from miles.world.world import HEIGHT, NUM_FRAMES, WIDTH, Shape, parse_prompt, train_prompts, trajectory
+from miles.world.world import HEIGHT, NUM_FRAMES, WIDTH, Shape, train_prompts
 
 WORLD_VAE = dict(
     base_dim=16,
@@ -200,13 +200,7 @@ def train_vae(
 
     prompts, shape = train_prompts(), cfg.world_shape
     pool = video_pool(prompts, cfg.vae_pool_per_prompt, 10_000, shape, device)
-    centres = torch.stack(
-        [
-            torch.from_numpy(trajectory(parse_prompt(prompts[i]), 10_000 + k, shape)[0])
-            for i in range(len(prompts))
-            for k in range(cfg.vae_pool_per_prompt)
-        ]
-    )
+    centres = ball_centres(prompts, cfg.vae_pool_per_prompt, 10_000, shape)
     torch.manual_seed(cfg.seed)
     vae = AutoencoderKLWan(**cfg.vae).to(device).train()
     opt = torch.optim.AdamW(vae.parameters(), lr=cfg.vae_lr)
@@ -421,8 +415,9 @@ def save_pipeline_atomically(pipe, out_dir: Path) -> Path:
 
 
 @torch.no_grad()
-def evaluate(model, prompts: list[str], num_seeds: int, cfg: PretrainConfig) -> dict:
-    """Mean ``world_adherence`` (and each check's mean) of ODE samples of ``model`` (a ``WanModel``).
+def evaluate(model, prompts: list[str], num_seeds: int, cfg, shift=SHIFT, routing=None) -> dict:
+    """Mean ``world_adherence`` (and each check's mean) of ODE samples of ``model`` (a ``WanModel``;
+    an ``LTXModel`` with its ``shift`` schedule and ``routing``: ``miles.pretrain_world_ltx``).
 
     Seed j draws the initial noise of every prompt from ``Generator().manual_seed(eval_seed + j)``;
     sampling is the trainer's (``sample_with_logprob``, noise_level 0, the rollout's CFG).
@@ -441,8 +436,9 @@ def evaluate(model, prompts: list[str], num_seeds: int, cfg: PretrainConfig) -> 
             neg,
             shape,
             num_steps=cfg.eval_steps,
-            shift=SHIFT,
+            shift=shift,
             guidance_scales=cfg.eval_guidance,
+            routing=routing,
             noise_level=0.0,
             generator=torch.Generator().manual_seed(cfg.eval_seed + j),
         )

@@ -57,15 +57,8 @@ from miles.pretrain_world import (
     save_pipeline_atomically,
     shifted_sigmas,
 )
-from miles.world.world import (
-    NUM_FRAMES,
-    Shape,
-    heldout_prompts,
-    parse_prompt,
-    render,
-    train_prompts,
-    trajectory,
-)
+from miles.world.pretrain_data import ball_centres
+from miles.world.world import NUM_FRAMES, Shape, heldout_prompts, parse_prompt, render, train_prompts
 
 WORLD_LTX_VAE = dict(
     latent_channels=128,
@@ -158,13 +151,7 @@ def train_vae(cfg: PretrainLTXConfig, start: float, save_to: Path | None = None)
 
     prompts, shape = train_prompts(), world_shape(cfg)
     pool = render_videos(prompts, cfg.vae_pool_per_prompt, 10_000, shape)
-    centres = torch.stack(
-        [
-            torch.from_numpy(trajectory(parse_prompt(p), 10_000 + k, shape)[0])
-            for p in prompts
-            for k in range(cfg.vae_pool_per_prompt)
-        ]
-    )
+    centres = ball_centres(prompts, cfg.vae_pool_per_prompt, 10_000, shape)
     rng = np.random.default_rng(cfg.seed)
     torch.manual_seed(cfg.seed)
     scaling = dict(spatio_temporal_scaling=cfg.vae_scaling, decoder_spatio_temporal_scaling=cfg.vae_scaling)
@@ -332,36 +319,13 @@ def train_prior(cfg: PretrainLTXConfig, vae, latents, labels, table, start: floa
     return transformer.eval().requires_grad_(False), trained
 
 
-@torch.no_grad()
 def evaluate(model, prompts: list[str], num_seeds: int, cfg: PretrainLTXConfig) -> dict:
-    """Mean ``world_adherence`` of ODE samples of ``model`` (an ``LTXModel``), as
-    ``miles.pretrain_world.evaluate`` measures the Wan world (the family's routing and shift)."""
-    from miles.rewards.world import world_scores
-    from miles.rollout.sampler import sample_with_logprob
+    """``miles.pretrain_world.evaluate`` of ``model`` (an ``LTXModel``) with the family's routing and
+    its token-count shift (which the report keeps)."""
+    from miles import pretrain_world
 
-    shape = world_shape(cfg)
-    pos, neg = model.encode_prompts(prompts, NEGATIVE_PROMPT, cfg.max_sequence_length, torch.device("cpu"))
-    latent_shape = model.latent_shape(shape.num_frames, shape.height, shape.width)
-    schedule = model.flow_schedule(None, model.num_tokens(shape.num_frames, shape.height, shape.width))
-    per_seed = []
-    for j in range(num_seeds):
-        rollout = sample_with_logprob(
-            model.transformers,
-            pos,
-            neg,
-            latent_shape,
-            num_steps=cfg.eval_steps,
-            shift=schedule,
-            guidance_scales=cfg.eval_guidance,
-            routing=model.routing,
-            noise_level=0.0,
-            generator=torch.Generator().manual_seed(cfg.eval_seed + j),
-        )
-        per_seed.append(world_scores(model.decode(rollout.final_latents), prompts))
-    scores = {k: torch.stack([s[k] for s in per_seed]) for k in per_seed[0]}
-    out = {k: round(float(v.mean()), 4) for k, v in scores.items()}
-    out["per_prompt"] = {p: round(float(a), 4) for p, a in zip(prompts, scores["adherence"].mean(dim=0))}
-    out["num_samples"] = len(prompts) * num_seeds
+    schedule = model.flow_schedule(None, model.num_tokens(*cfg.shape))
+    out = pretrain_world.evaluate(model, prompts, num_seeds, cfg, shift=schedule, routing=model.routing)
     out["shift"] = round(schedule.shift, 4)
     return out
 

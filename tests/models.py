@@ -1,6 +1,14 @@
-"""The tiny transformer configs the SP and FSDP tests share (4 heads x 16, 2 blocks): Wan and LTX-Video."""
+"""The tiny models the tests share: the transformer configs of the SP and FSDP tests (4 heads x 16,
+2 blocks), Wan and LTX-Video, and the embedded tiny LTX loaded through the family seam."""
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
 
 from miles.models.tiny_ltx import TINY_LTX_TRANSFORMER
+
+TINY_DIR = Path(__file__).resolve().parents[1] / ".cache" / "tiny-wan"
 
 TINY_WAN = dict(
     patch_size=(1, 2, 2),
@@ -16,3 +24,21 @@ TINY_WAN = dict(
 )
 
 TINY_LTX = dict(TINY_LTX_TRANSFORMER)  # the embedded tiny LTX's transformer (patch size 1, 8 channels)
+
+
+def load_tiny_ltx():
+    """The embedded tiny LTX (``.cache/tiny-wan/ltx``, built on demand) as the family loads it: an
+    ``LTXModel`` on the CPU, fp32, the text encoder resident."""
+    from miles.models.family import family_of
+    from miles.models.tiny import tiny_model_path
+
+    cfg = SimpleNamespace(
+        path=str(tiny_model_path(TINY_DIR, "ltx")),
+        task="auto",
+        text_encoder_dtype="float32",
+        vae_dtype="float32",
+        text_encoder_offload=False,
+        vae_tiling=False,
+        init="pretrained",
+    )
+    return family_of(Path(cfg.path)).load(cfg, torch.device("cpu"))

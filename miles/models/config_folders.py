@@ -32,7 +32,7 @@ import argparse
 import json
 from pathlib import Path
 
-from miles.models.config_folders_ltx import LTX_MODELS, write_ltx_config_folder
+from miles.models.config_folders_ltx import LTX_MODELS, T5_XXL, ltx_folder
 
 _WAN_COMMON = dict(
     patch_size=[1, 2, 2],
@@ -59,24 +59,9 @@ WAN_TI2V_5B = dict(
     WAN_14B, num_attention_heads=24, ffn_dim=14336, num_layers=30, in_channels=48, out_channels=48
 )
 
-# google/umt5-xxl (the encoder half is Wan's text encoder: 5.7B parameters).
-UMT5_XXL = dict(
-    vocab_size=256384,
-    d_model=4096,
-    d_kv=64,
-    d_ff=10240,
-    num_layers=24,
-    num_heads=64,
-    relative_attention_num_buckets=32,
-    relative_attention_max_distance=128,
-    dropout_rate=0.1,
-    layer_norm_epsilon=1e-6,
-    feed_forward_proj="gated-gelu",
-    tie_word_embeddings=False,
-    pad_token_id=0,
-    eos_token_id=1,
-    decoder_start_token_id=0,
-)
+# google/umt5-xxl (the encoder half is Wan's text encoder: 5.7B parameters): google/t5-v1_1-xxl's
+# numbers (LTX-Video's text encoder) over UMT5's vocabulary.
+UMT5_XXL = dict(T5_XXL, vocab_size=256384)
 # AutoencoderKLWan's defaults are the Wan2.1 VAE (base_dim 96, z 16, latents_mean/std of Wan2.1).
 VAE_WAN21: dict = {}
 VAE_WAN22 = dict(
@@ -200,10 +185,10 @@ VAE_WAN22 = dict(
 
 
 def _tiny() -> dict:
-    from miles.models.tiny import BOUNDARY_RATIO, TINY_TEXT_ENCODER, TINY_TRANSFORMER, TINY_VAE
+    from miles.models.tiny_t2v import BOUNDARY_RATIO, TINY_TRANSFORMER, TINY_VAE, text_encoder_config
 
     transformer = dict(TINY_TRANSFORMER, patch_size=list(TINY_TRANSFORMER["patch_size"]))
-    text = dict(TINY_TEXT_ENCODER, vocab_size=259, pad_token_id=0, eos_token_id=1)
+    text = text_encoder_config(259)
     return dict(
         transformer=transformer, experts=2, boundary_ratio=BOUNDARY_RATIO, text_encoder=text, vae=TINY_VAE
     )
@@ -241,6 +226,23 @@ def _write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
+def _wan_folder(spec: dict) -> dict:
+    """The parts of the config-only Wan folder of ``spec``, as :func:`write_config_folder` writes them
+    (:func:`~miles.models.config_folders_ltx.ltx_folder` gives LTX's)."""
+    experts = ["transformer", "transformer_2"][: spec["experts"]]
+    models = {sub: ("WanTransformer3DModel", spec["transformer"]) for sub in experts}
+    index = {"boundary_ratio": spec.get("boundary_ratio"), "expand_timesteps": per_token_timesteps(spec)}
+    if "transformer_2" not in experts:
+        index["transformer_2"] = [None, None]  # WanPipeline's second expert, absent
+    return dict(
+        pipeline="WanPipeline",
+        models={**models, "vae": ("AutoencoderKLWan", spec["vae"])},
+        text_encoder=("UMT5Config", "UMT5EncoderModel"),
+        scheduler=dict(shift=3.0),
+        index=index,
+    )
+
+
 def write_config_folder(name: str, dest: str | Path) -> Path:
     """Write the config-only diffusers folder of ``name`` to ``dest``; returns ``dest``.
 
@@ -249,42 +251,37 @@ def write_config_folder(name: str, dest: str | Path) -> Path:
     """
     import diffusers
     import torch
-    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanTransformer3DModel
-    from transformers import UMT5Config
+    import transformers
+    from diffusers import FlowMatchEulerDiscreteScheduler
 
     from miles.models.tiny import build_tokenizer
 
     spec, dest = model_spec(name), Path(dest)
-    if spec.get("family") == "ltx":
-        return write_ltx_config_folder(spec, dest)
-    experts = ["transformer", "transformer_2"][: spec["experts"]]
+    parts = ltx_folder(spec) if spec.get("family") == "ltx" else _wan_folder(spec)
     with torch.device("meta"):
-        for sub in experts:
-            WanTransformer3DModel.from_config(spec["transformer"]).save_config(dest / sub)
-        AutoencoderKLWan.from_config(spec["vae"]).save_config(dest / "vae")
-    UMT5Config(**spec["text_encoder"]).save_pretrained(dest / "text_encoder")
-    _set_architectures(dest / "text_encoder" / "config.json")
-    FlowMatchEulerDiscreteScheduler(shift=3.0).save_config(dest / "scheduler")
+        for sub, (cls, config) in parts["models"].items():
+            getattr(diffusers, cls).from_config(config).save_config(dest / sub)
+    config_class, encoder_class = parts["text_encoder"]
+    getattr(transformers, config_class)(**spec["text_encoder"]).save_pretrained(dest / "text_encoder")
+    _set_architectures(dest / "text_encoder" / "config.json", encoder_class)
+    FlowMatchEulerDiscreteScheduler(**parts["scheduler"]).save_config(dest / "scheduler")
     build_tokenizer().save_pretrained(dest / "tokenizer")
     index = {
-        "_class_name": "WanPipeline",
+        "_class_name": parts["pipeline"],
         "_diffusers_version": diffusers.__version__,
-        "boundary_ratio": spec.get("boundary_ratio"),
-        "expand_timesteps": per_token_timesteps(spec),
         "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
-        "text_encoder": ["transformers", "UMT5EncoderModel"],
+        "text_encoder": ["transformers", encoder_class],
         "tokenizer": ["transformers", "PreTrainedTokenizerFast"],
-        "transformer": ["diffusers", "WanTransformer3DModel"],
-        "transformer_2": ["diffusers", "WanTransformer3DModel"] if spec["experts"] == 2 else [None, None],
-        "vae": ["diffusers", "AutoencoderKLWan"],
+        **{sub: ["diffusers", cls] for sub, (cls, _) in parts["models"].items()},
+        **parts["index"],
     }
     _write_json(dest / "model_index.json", index)
     return dest
 
 
-def _set_architectures(path: Path) -> None:
+def _set_architectures(path: Path, encoder_class: str) -> None:
     config = json.loads(path.read_text())
-    config["architectures"] = ["UMT5EncoderModel"]
+    config["architectures"] = [encoder_class]
     _write_json(path, config)
 
 

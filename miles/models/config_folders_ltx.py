@@ -16,8 +16,6 @@ the project's byte-level BPE, as for the Wan folders.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 LTX_2B = dict(
     in_channels=128,
     out_channels=128,
@@ -67,37 +65,20 @@ LTX_MODELS = {
 }
 
 
-def write_ltx_config_folder(spec: dict, dest: Path) -> Path:
-    """Write the config-only LTXPipeline folder of ``spec`` to ``dest`` (each config through its
-    class's own ``save_config``/``save_pretrained``, built on the meta device)."""
-    import json
-
-    import diffusers
-    import torch
-    from diffusers import AutoencoderKLLTXVideo, FlowMatchEulerDiscreteScheduler, LTXVideoTransformer3DModel
-    from transformers import T5Config
-
-    from miles.models.tiny import build_tokenizer
+def ltx_folder(spec: dict) -> dict:
+    """The parts of the config-only ``LTXPipeline`` folder of ``spec`` (an ``LTX_MODELS`` entry), as
+    :func:`miles.models.config_folders.write_config_folder` writes them: each model folder's class
+    and config, the text encoder's classes, the scheduler's config, what else ``model_index.json`` holds."""
     from miles.models.tiny_ltx import LTX_SCHEDULER
 
-    with torch.device("meta"):
-        LTXVideoTransformer3DModel.from_config(spec["transformer"]).save_config(dest / "transformer")
-        AutoencoderKLLTXVideo.from_config(spec["vae"]).save_config(dest / "vae")
-    T5Config(**spec["text_encoder"]).save_pretrained(dest / "text_encoder")
-    te = dest / "text_encoder" / "config.json"
-    te.write_text(
-        json.dumps({**json.loads(te.read_text()), "architectures": ["T5EncoderModel"]}, indent=2) + "\n"
-    )
-    FlowMatchEulerDiscreteScheduler(**LTX_SCHEDULER).save_config(dest / "scheduler")
-    build_tokenizer().save_pretrained(dest / "tokenizer")
-    index = {
-        "_class_name": "LTXPipeline",
-        "_diffusers_version": diffusers.__version__,
-        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
-        "text_encoder": ["transformers", "T5EncoderModel"],
-        "tokenizer": ["transformers", "PreTrainedTokenizerFast"],
-        "transformer": ["diffusers", "LTXVideoTransformer3DModel"],
-        "vae": ["diffusers", "AutoencoderKLLTXVideo"],
+    models = {
+        "transformer": ("LTXVideoTransformer3DModel", spec["transformer"]),
+        "vae": ("AutoencoderKLLTXVideo", spec["vae"]),
     }
-    (dest / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-    return dest
+    return dict(
+        pipeline="LTXPipeline",
+        models=models,
+        text_encoder=("T5Config", "T5EncoderModel"),
+        scheduler=LTX_SCHEDULER,
+        index={},
+    )

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from miles.models.dtypes import DTYPES, text_encoder_dtype
+from miles.models.dtypes import DTYPES, text_encoder_dtype, text_encoder_on
 from miles.models.folder import read_json, read_pipeline_index
 from miles.rollout.schedule import FlowSchedule
 
@@ -182,10 +182,7 @@ class LTXModel:
         """(prompt, negative) text conditions, each (B, L, D + 1): ``LTXPipeline.encode_prompt``'s
         embeddings with its attention mask (:func:`pack_text`)."""
         pipe = self.pipeline
-        home = next(pipe.text_encoder.parameters()).device
-        if self.text_encoder_offload:
-            pipe.text_encoder.to(device)
-        try:
+        with text_encoder_on(pipe.text_encoder, device, self.text_encoder_offload):
             pos, pos_mask, neg, neg_mask = pipe.encode_prompt(
                 prompt=prompts,
                 negative_prompt=[negative_prompt] * len(prompts),
@@ -193,9 +190,6 @@ class LTXModel:
                 max_sequence_length=max_sequence_length,
                 device=device,
             )
-        finally:
-            if self.text_encoder_offload:
-                pipe.text_encoder.to(home)
         return pack_text(pos, pos_mask), pack_text(neg, neg_mask)
 
     @torch.no_grad()

@@ -31,17 +31,16 @@ class LTXFamily:
     def load_meta(self, cfg, strict: bool = False) -> tuple[LTXModel, dict, list[str]]:
         """The folder of ``cfg.model`` as configs only: transformer, VAE and text encoder on meta."""
         from miles.models.folder import read_pipeline_index, resolve_model_path
-        from miles.models.meta import _diffusers_class, _meta_from_config, _meta_text_encoder
+        from miles.models.meta import (
+            _diffusers_class,
+            _meta_from_config,
+            optional_meta_text_encoder,
+            refusal_warnings,
+        )
 
         path = resolve_model_path(cfg.model)
         index = read_pipeline_index(path)
-        warnings = []
-        try:
-            check_ltx_folder(path)
-        except ValueError as e:
-            if strict:
-                raise
-            warnings.append(f"the real run will refuse this folder: {e}")
+        warnings = refusal_warnings(check_ltx_folder, path, strict)
         if cfg.model.task not in ("auto", "t2v"):
             raise ValueError(
                 f"model.task {cfg.model.task!r}: LTX-Video folders are text-to-video; set model.task auto"
@@ -59,11 +58,7 @@ class LTXFamily:
             _diffusers_class(index, "transformer", "LTXVideoTransformer3DModel"), path / "transformer"
         )
         vae = _meta_from_config(_diffusers_class(index, "vae", "AutoencoderKLLTXVideo"), path / "vae")
-        try:
-            text_encoder = _meta_text_encoder(index, path / "text_encoder")
-        except Exception as e:  # optional: only its parameter count is reported
-            warnings.append(f"text encoder config unreadable ({e}); not counted")
-            text_encoder = None
+        text_encoder = optional_meta_text_encoder(index, path / "text_encoder", warnings)
         model = LTXModel(
             path=path,
             transformers=[transformer],

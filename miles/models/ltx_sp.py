@@ -22,7 +22,6 @@ import functools
 import torch
 from torch import nn
 
-from miles.blocks import calibration_block
 from miles.sequence_parallel import GatherOutput, SequenceParallelPlan, ShardInput, ShardOutput
 from miles.sequence_parallel.attention import apply_dispatch_sp_attention
 
@@ -54,11 +53,10 @@ def calibrate_ltx_block_memory(
     ``batch`` x ``tokens`` on a ``dtype`` copy of block 0 (as :func:`miles.models.wan.calibrate_block_memory`
     does for Wan): inputs shaped as the model passes them (timestep embedding (B, 1, 6·D), RoPE
     tables (B, S, D) in fp32, the text projected to D with its additive mask (B, 1, L))."""
-    from miles.parallel.checkpointing import measure_block_memory
+    from miles.parallel.checkpointing import measure_first_block_memory
 
     cfg = transformer.config
     dim = cfg.num_attention_heads * cfg.attention_head_dim
-    block = calibration_block(transformer, device, dtype)
 
     def make_inputs():
         hidden = torch.randn(batch, tokens, dim, device=device, dtype=dtype, requires_grad=True)
@@ -68,9 +66,4 @@ def calibrate_ltx_block_memory(
         mask = torch.zeros(batch, 1, text_tokens, device=device, dtype=dtype)
         return hidden, context, temb, (rope, rope), mask
 
-    try:
-        return measure_block_memory(block, make_inputs, device, compiled=compiled)
-    finally:
-        del block
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+    return measure_first_block_memory(transformer, make_inputs, device, dtype, compiled=compiled)

@@ -50,19 +50,36 @@ def _meta_text_encoder(index: dict, folder: Path) -> nn.Module | None:
         return cls(config)
 
 
+def optional_meta_text_encoder(index: dict, folder: Path, warnings: list[str]) -> nn.Module | None:
+    """The text encoder of ``folder`` on the meta device, or None: absent, or its config unreadable
+    (then a warning: the plan only reports its parameter count)."""
+    try:
+        return _meta_text_encoder(index, folder)
+    except Exception as e:  # optional: only its parameter count is reported
+        warnings.append(f"text encoder config unreadable ({e}); not counted")
+        return None
+
+
+def refusal_warnings(check, path: Path, strict: bool) -> list[str]:
+    """The dry run's warnings of ``check(path)`` (a family's complete-folder check): none when it
+    passes, "the real run will refuse this folder" when it raises ``ValueError``; ``strict`` (the
+    real run): that ``ValueError``."""
+    try:
+        check(path)
+    except ValueError as e:  # the dry run needs only configs; the real run needs every component
+        if strict:
+            raise
+        return [f"the real run will refuse this folder: {e}"]
+    return []
+
+
 def load_meta_model(cfg, strict: bool = False) -> tuple[WanModel, dict, list[str]]:
     """A :class:`WanModel` whose transformers and VAE live on the meta device, its ``model_index.json``
     and warnings. Raises ``ValueError`` for a folder the run cannot use; ``strict`` (the real run):
     also for one that lacks a component the weights need (the dry run reads configs only, and warns)."""
     path = resolve_model_path(cfg.model)
     index = read_model_index(path)
-    warnings = []
-    try:
-        check_wan_folder(path)
-    except ValueError as e:  # the dry run needs only configs; the real run needs every component
-        if strict:
-            raise
-        warnings.append(f"the real run will refuse this folder: {e}")
+    warnings = refusal_warnings(check_wan_folder, path, strict)
     mode = condition_mode(path, index, cfg.model.task)
     check_i2v_run(path, index, mode, cfg.data.max_sequence_length)
     experts = []
@@ -78,11 +95,7 @@ def load_meta_model(cfg, strict: bool = False) -> tuple[WanModel, dict, list[str
     if not (path / "vae" / "config.json").is_file():
         raise ValueError(f"model.path {path} lacks vae/config.json (its scale factors give the latent shape)")
     vae = _meta_from_config(_diffusers_class(index, "vae", "AutoencoderKLWan"), path / "vae")
-    try:
-        text_encoder = _meta_text_encoder(index, path / "text_encoder")
-    except Exception as e:  # optional: only its parameter count is reported
-        warnings.append(f"text encoder config unreadable ({e}); not counted")
-        text_encoder = None
+    text_encoder = optional_meta_text_encoder(index, path / "text_encoder", warnings)
     model = WanModel(
         path=path,
         transformers=experts,

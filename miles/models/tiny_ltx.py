@@ -4,9 +4,10 @@
 Its parts keep LTX-Video's structure at a small width: an ``LTXVideoTransformer3DModel`` with
 patch size 1, 4 heads x 16 (Ulysses degrees 2 and 4 divide them; the RoPE width 64 is not a
 multiple of 6, so its padding path runs) and 2 blocks; an ``AutoencoderKLLTXVideo`` with LTX's
-32x spatial / 8x temporal compression and 8 latent channels; a T5 encoder and the byte-level
-tokenizer of the tiny Wan (:func:`miles.models.tiny_t2v.build_tokenizer`); the flow-matching
-scheduler with LTX's dynamic (token-count) shift.
+32x spatial / 8x temporal compression and 8 latent channels; a T5 encoder with the tiny Wan's
+UMT5 numbers and its byte-level tokenizer (:func:`miles.models.tiny_t2v.text_encoder_config`,
+:func:`~miles.models.tiny_t2v.build_tokenizer`); the flow-matching scheduler with LTX's dynamic
+(token-count) shift.
 """
 
 from __future__ import annotations
@@ -23,17 +24,6 @@ TINY_LTX_TRANSFORMER = dict(
     cross_attention_dim=64,  # = heads x head_dim: the caption projection maps the text to the model width
     num_layers=2,
     caption_channels=32,  # the T5's d_model
-)
-TINY_LTX_TEXT_ENCODER = dict(
-    d_model=32,
-    d_kv=16,
-    d_ff=64,
-    num_layers=2,
-    num_heads=2,
-    relative_attention_num_buckets=32,
-    relative_attention_max_distance=128,
-    dropout_rate=0.0,
-    feed_forward_proj="gated-gelu",
 )
 TINY_LTX_VAE = dict(
     latent_channels=8,
@@ -64,13 +54,11 @@ def build_ltx_pipeline():
     )
     from transformers import T5Config, T5EncoderModel
 
-    from miles.models.tiny_t2v import build_tokenizer
+    from miles.models.tiny_t2v import build_tokenizer, text_encoder_config
 
     tokenizer = build_tokenizer()
     torch.manual_seed(10)
-    text_encoder = T5EncoderModel(
-        T5Config(vocab_size=len(tokenizer), pad_token_id=0, eos_token_id=1, **TINY_LTX_TEXT_ENCODER)
-    ).eval()
+    text_encoder = T5EncoderModel(T5Config(**text_encoder_config(len(tokenizer)))).eval()
     torch.manual_seed(11)
     vae = AutoencoderKLLTXVideo(**TINY_LTX_VAE).eval()
     with torch.no_grad():  # a non-trivial latent normalisation, so that a test can see it applied

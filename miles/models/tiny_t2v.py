@@ -32,6 +32,7 @@ TINY_TEXT_ENCODER = dict(
     dropout_rate=0.0,
     feed_forward_proj="gated-gelu",
 )
+"""The tiny UMT5's numbers, the tiny LTX's T5's too (``text_encoder_config``)."""
 TINY_VAE = dict(
     base_dim=8,
     z_dim=16,
@@ -63,6 +64,12 @@ def build_tokenizer():
     )
 
 
+def text_encoder_config(vocab_size: int) -> dict:
+    """The tiny text encoder's config over ``vocab_size`` tokens (the tokenizer's: pad 0, eos 1), for
+    ``UMT5Config`` (Wan) and ``T5Config`` (LTX) alike."""
+    return dict(TINY_TEXT_ENCODER, vocab_size=vocab_size, pad_token_id=0, eos_token_id=1)
+
+
 def build_t2v_pipeline(variant: str = "two_expert"):
     """Construct the tiny text-to-video WanPipeline in memory with fixed seeds."""
     from diffusers import (
@@ -77,9 +84,7 @@ def build_t2v_pipeline(variant: str = "two_expert"):
         raise ValueError(f"unknown tiny variant {variant!r}; choose one of {VARIANTS}")
     tokenizer = build_tokenizer()
     torch.manual_seed(0)
-    text_encoder = UMT5EncoderModel(
-        UMT5Config(vocab_size=len(tokenizer), pad_token_id=0, eos_token_id=1, **TINY_TEXT_ENCODER)
-    ).eval()
+    text_encoder = UMT5EncoderModel(UMT5Config(**text_encoder_config(len(tokenizer)))).eval()
     torch.manual_seed(1)
     vae = AutoencoderKLWan(**TINY_VAE).eval()
     torch.manual_seed(2)

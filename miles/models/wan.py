@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from miles.models.dtypes import DTYPES, text_encoder_dtype
+from miles.models.dtypes import DTYPES, text_encoder_dtype, text_encoder_on
 from miles.models.folder import read_json, read_pipeline_index, resolve_model_path  # noqa: F401
 from miles.models.i2v import check_i2v_run, condition_mode, encode_image_condition, text_pipeline
 from miles.rollout.condition import ImageCondition
@@ -189,10 +189,7 @@ class WanModel:
     def encode_prompts(self, prompts: list[str], negative_prompt: str, max_sequence_length: int, device):
         """(prompt_embeds, negative_embeds), each (B, L, text_dim), via the pipeline's own encoder."""
         pipe = self.pipeline
-        home = next(pipe.text_encoder.parameters()).device
-        if self.text_encoder_offload:
-            pipe.text_encoder.to(device)
-        try:
+        with text_encoder_on(pipe.text_encoder, device, self.text_encoder_offload):
             pos, neg = pipe.encode_prompt(
                 prompt=prompts,
                 negative_prompt=[negative_prompt] * len(prompts),
@@ -200,9 +197,6 @@ class WanModel:
                 max_sequence_length=max_sequence_length,
                 device=device,
             )
-        finally:
-            if self.text_encoder_offload:
-                pipe.text_encoder.to(home)
         return pos, neg
 
     @torch.no_grad()
@@ -421,12 +415,10 @@ def calibrate_block_memory(
     embeddings' dtype): an eager block keeps its fp32 shift/scale/gate products (32·D bytes a token
     more than with one timestep per sample), a compiled one recomputes them in backward from that
     input (fed an fp32 input instead, a compiled block kept them: the dtype matters)."""
-    from miles.blocks import calibration_block
-    from miles.parallel.checkpointing import measure_block_memory
+    from miles.parallel.checkpointing import measure_first_block_memory
 
     cfg = transformer.config
     dim = cfg.num_attention_heads * cfg.attention_head_dim
-    block = calibration_block(transformer, device, dtype)
 
     def make_inputs():
         hidden = torch.randn(batch, tokens, dim, device=device, dtype=dtype, requires_grad=True)
@@ -436,11 +428,7 @@ def calibrate_block_memory(
         rope = torch.randn(1, tokens, 1, cfg.attention_head_dim, device=device, dtype=torch.float32)
         return hidden, context, temb, (rope, rope)
 
-    try:
-        return measure_block_memory(block, make_inputs, device, compiled=compiled)
-    finally:
-        del block
-        torch.cuda.empty_cache()
+    return measure_first_block_memory(transformer, make_inputs, device, dtype, compiled=compiled)
 
 
 def run_condition_mode(model_cfg, max_sequence_length: int) -> str | None:

@@ -151,6 +151,23 @@ def measure_block_memory(
     return out
 
 
+def measure_first_block_memory(
+    model: nn.Module, make_inputs, device: torch.device, dtype: torch.dtype, compiled: bool = False
+) -> dict[str, float]:
+    """:func:`measure_block_memory` of a ``dtype`` copy of ``model``'s first block
+    (:func:`miles.blocks.calibration_block`), freed afterwards: what each family's block calibration
+    runs on the inputs it shapes (``make_inputs``)."""
+    from miles.blocks import calibration_block
+
+    block = calibration_block(model, device, dtype)
+    try:
+        return measure_block_memory(block, make_inputs, device, compiled=compiled)
+    finally:
+        del block
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
 def fixed_training_bytes(
     num_params: int, num_trainable: int, world_size: int, block_params: int, other_bytes: float = 0.0
 ) -> float:

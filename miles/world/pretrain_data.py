@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from miles.world.world import SHAPE_9, Shape, parse_prompt, render, train_prompts
+from miles.world.world import SHAPE_9, Shape, parse_prompt, render, train_prompts, trajectory
 
 
 def render_dataset(
@@ -56,6 +56,18 @@ def video_pool(
     if len(prompts) * per_prompt * 3 * shape.num_frames * shape.height * shape.width * 4 <= max_bytes:
         return render_dataset(prompts, per_prompt, seed_offset, shape)[0]
     return VideoPool(prompts, per_prompt, seed_offset, shape, device)
+
+
+def ball_centres(prompts: list[str], per_prompt: int, seed_offset: int, shape: Shape) -> torch.Tensor:
+    """The ball's (x, y) per frame (N, F, 2) in the videos of ``render_dataset(prompts, per_prompt,
+    seed_offset, shape)``, in its order: what ``crop_batch`` centres its crops on."""
+    return torch.stack(
+        [
+            torch.from_numpy(trajectory(parse_prompt(p), seed_offset + k, shape)[0])
+            for p in prompts
+            for k in range(per_prompt)
+        ]
+    )
 
 
 def crop_batch(

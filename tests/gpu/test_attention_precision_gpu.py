@@ -15,11 +15,12 @@ The GPU machine runs these without pytest as well: every test is a plain functio
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import pytest
 import torch
 import torch.nn.functional as F
+
+from tests.gpu.wrapped_rollout import SMALL_WAN, rescored_rollouts, wan_expert, wrapped_expert
 
 pytestmark = [
     pytest.mark.gpu,
@@ -32,20 +33,7 @@ pytestmark = [
     ),
 ]
 
-WAN_HEAD = dict(
-    patch_size=(1, 2, 2),
-    num_attention_heads=4,
-    attention_head_dim=128,  # Wan's head size
-    in_channels=16,
-    out_channels=16,
-    text_dim=256,
-    freq_dim=256,
-    ffn_dim=1024,
-    num_layers=2,
-    rope_max_seq_len=1024,
-    cross_attn_norm=True,
-    qk_norm="rms_norm_across_heads",
-)
+WAN_HEAD = dict(SMALL_WAN, attention_head_dim=128)  # Wan's head size
 
 
 def _qkv(s=4096, h=12, d=128, seed=0):
@@ -87,10 +75,7 @@ def test_kernel_matches_its_float_formula_at_head_size_128():
 
 
 def _model():
-    from diffusers import WanTransformer3DModel
-
-    torch.manual_seed(0)
-    return WanTransformer3DModel(**WAN_HEAD).to("cuda", torch.bfloat16).eval()
+    return wan_expert(WAN_HEAD, torch.bfloat16).eval()
 
 
 def test_through_the_model_under_usp_ring_1():
@@ -120,41 +105,10 @@ def test_through_the_model_under_usp_ring_1():
 
 
 def test_int8_rollout_through_the_trainer_wrapping():
-    import torch.distributed as dist
-
-    from miles.parallel.fsdp import unsharded_for_rollout
-    from miles.parallel.topology import ParallelDims, build_parallel_mesh
     from miles.rollout.attention import rollout_attention
-    from miles.rollout.sampler import compute_log_prob, sample_with_logprob
-    from miles.train.parallelize import parallelize_expert
 
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29544")
-        dist.init_process_group("nccl", rank=0, world_size=1)
-    mesh = build_parallel_mesh(ParallelDims(world_size=1, sequence_parallel_size=1), "cuda")
-    from diffusers import WanTransformer3DModel
-
-    torch.manual_seed(0)
-    model = WanTransformer3DModel(**WAN_HEAD).to("cuda")
-    parallelize_expert(model, mesh, attention_backend="_native_cudnn", param_dtype=torch.bfloat16)
-    g = torch.Generator().manual_seed(0)
-    pos = torch.randn(2, 64, 256, generator=g).to("cuda", torch.bfloat16)
-    neg = torch.randn(1, 64, 256, generator=g).to("cuda", torch.bfloat16)
-    init = torch.randn(2, 16, 5, 32, 32, generator=g).cuda()
-    options = dict(
-        num_steps=6, shift=3.0, guidance_scales=[5.0], noise_level=0.7, latents=init, sde_steps=[0, 1, 2]
-    )
-    gaps = {}
-    with torch.no_grad():
-        for precision in ("sage_int8", "bf16"):
-            with unsharded_for_rollout([model]), rollout_attention([model], precision):
-                gen = torch.Generator(device="cuda").manual_seed(1)
-                ro = sample_with_logprob([model], pos, neg, (16, 5, 32, 32), generator=gen, **options)
-            with unsharded_for_rollout([model]):
-                lp = torch.stack(
-                    [compute_log_prob([model], ro, k, pos, neg, [5.0], None, 0.7)[0] for k in range(3)], dim=1
-                )
-            gaps[precision] = (lp - ro.log_probs).abs()
+    model = wrapped_expert(WAN_HEAD, port="29544")
+    runs = rescored_rollouts(model, rollout_attention, ("sage_int8", "bf16"))
+    gaps = {precision: (lp - ro.log_probs).abs() for precision, (ro, lp) in runs.items()}
     assert float(gaps["bf16"].max()) < 1e-5, gaps["bf16"]  # the canary: bf16 recompute is exact
     assert 0 < float(gaps["sage_int8"].mean()) < 1.0, gaps["sage_int8"]

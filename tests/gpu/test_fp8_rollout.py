@@ -11,10 +11,11 @@ transformer's block Linear layers through torchao, as ``rollout.precision: fp8``
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import pytest
 import torch
+
+from tests.gpu.wrapped_rollout import SMALL_WAN, rescored_rollouts, wan_expert, wrapped_expert
 
 pytestmark = [
     pytest.mark.gpu,
@@ -26,27 +27,9 @@ pytestmark = [
     ),
 ]
 
-SMALL_WAN = dict(
-    patch_size=(1, 2, 2),
-    num_attention_heads=4,
-    attention_head_dim=64,
-    in_channels=16,
-    out_channels=16,
-    text_dim=256,
-    freq_dim=256,
-    ffn_dim=1024,
-    num_layers=2,
-    rope_max_seq_len=1024,
-    cross_attn_norm=True,
-    qk_norm="rms_norm_across_heads",
-)
-
 
 def _model(dtype):
-    from diffusers import WanTransformer3DModel
-
-    torch.manual_seed(0)
-    return WanTransformer3DModel(**SMALL_WAN).to("cuda", dtype)
+    return wan_expert(SMALL_WAN, dtype)
 
 
 def test_fp8_forward_is_close_and_restored():
@@ -72,59 +55,17 @@ def test_fp8_forward_is_close_and_restored():
     assert torch.equal(after, ref)
 
 
-def _nccl_world() -> None:
-    """A world of one rank over NCCL (not a fixture: the GPU machine runs these without pytest)."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29543")
-        dist.init_process_group("nccl", rank=0, world_size=1)
-
-
 def test_fp8_rollout_through_the_trainer_wrapping():
     from miles.grpo.tis import DriftStats
-    from miles.parallel.fsdp import unsharded_for_rollout
-    from miles.parallel.topology import ParallelDims, build_parallel_mesh
     from miles.rollout.precision import rollout_precision
-    from miles.rollout.sampler import compute_log_prob, sample_with_logprob
-    from miles.train.parallelize import parallelize_expert
 
-    _nccl_world()
-    mesh = build_parallel_mesh(ParallelDims(world_size=1, sequence_parallel_size=1), "cuda")
-    model = _model(torch.float32)
-    parallelize_expert(model, mesh, attention_backend="_native_cudnn", param_dtype=torch.bfloat16)
-    g = torch.Generator().manual_seed(0)
-    pos = torch.randn(2, 64, 256, generator=g).to("cuda", torch.bfloat16)
-    neg = torch.randn(1, 64, 256, generator=g).to("cuda", torch.bfloat16)
-    init = torch.randn(2, 16, 5, 32, 32, generator=g).cuda()
-    options = dict(
-        num_steps=6,
-        shift=3.0,
-        guidance_scales=[5.0],
-        noise_level=0.7,
-        latents=init,
-        sde_steps=[0, 1, 2],
-    )
-    rollouts = {}
-    with torch.no_grad():
-        for precision in ("fp8", "bf16"):
-            with unsharded_for_rollout([model]), rollout_precision([model], precision):
-                gen = torch.Generator(device="cuda").manual_seed(1)
-                rollouts[precision] = sample_with_logprob(
-                    [model], pos, neg, (16, 5, 32, 32), generator=gen, **options
-                )
-        gaps = {}
-        for precision, ro in rollouts.items():
-            with unsharded_for_rollout([model]):
-                lp = torch.stack(
-                    [compute_log_prob([model], ro, k, pos, neg, [5.0], None, 0.7)[0] for k in range(3)], dim=1
-                )
-            gaps[precision] = (lp - ro.log_probs).abs()
-            if precision == "fp8":
-                stats = DriftStats()
-                for k in range(3):
-                    stats.add(lp[:, k], ro.log_probs[:, k], 2.0, 1 / 3)
+    model = wrapped_expert(SMALL_WAN, port="29543")
+    runs = rescored_rollouts(model, rollout_precision, ("fp8", "bf16"))
+    gaps = {precision: (lp - ro.log_probs).abs() for precision, (ro, lp) in runs.items()}
+    ro, lp = runs["fp8"]
+    stats = DriftStats()
+    for k in range(3):
+        stats.add(lp[:, k], ro.log_probs[:, k], 2.0, 1 / 3)
     assert float(gaps["bf16"].max()) < 1e-5, gaps["bf16"]  # eager bf16: the recompute is exact (canary 0)
     assert 0 < float(gaps["fp8"].mean()) < 1.0, gaps["fp8"]
     assert 0.5 < stats.metrics()["tis_weight_mean"] < 2.0

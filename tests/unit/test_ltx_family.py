@@ -7,30 +7,17 @@ trainer: tests/e2e/test_ltx_e2e.py.)"""
 from __future__ import annotations
 
 import inspect
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-TINY_DIR = Path(__file__).resolve().parents[2] / ".cache" / "tiny-wan"
+from tests.models import TINY_DIR, load_tiny_ltx
 
 
 @pytest.fixture(scope="module")
 def ltx():
-    from miles.models.family import family_of
-    from miles.models.tiny import tiny_model_path
-
-    cfg = SimpleNamespace(
-        path=str(tiny_model_path(TINY_DIR, "ltx")),
-        task="auto",
-        text_encoder_dtype="float32",
-        vae_dtype="float32",
-        text_encoder_offload=False,
-        vae_tiling=False,
-        init="pretrained",
-    )
-    return family_of(Path(cfg.path)).load(cfg, torch.device("cpu"))
+    return load_tiny_ltx()
 
 
 def test_the_seam_holds_both_families_and_names_neither():
@@ -104,3 +91,52 @@ def test_the_dry_run_refuses_the_pipeline_eval_sampler():
     cfg, _ = parse_args(flags)
     with pytest.raises(PlanError, match="use eval.sampler rollout"):
         plan_run(cfg, 1, device_type="cpu")
+
+
+def test_the_block_calibration_runs_a_copy_of_block_0_on_the_inputs_it_shapes(monkeypatch):
+    """``calibrate_ltx_block_memory`` (through ``measure_first_block_memory``) hands the measurement a
+    detached copy of block 0 and inputs the block takes, forward and backward, in the asked dtype
+    (the CUDA measurement itself: tests/gpu)."""
+    from diffusers import LTXVideoTransformer3DModel
+
+    import miles.parallel.checkpointing as checkpointing
+    from miles.models.ltx_sp import calibrate_ltx_block_memory
+    from tests.models import TINY_LTX
+
+    torch.manual_seed(0)
+    model = LTXVideoTransformer3DModel(**TINY_LTX)
+    seen = {}
+
+    def measure(block, make_inputs, device, compiled=False):
+        out = block(*make_inputs())
+        out.sum().backward()
+        seen.update(shape=tuple(out.shape), dtype=out.dtype, copy=block is not model.transformer_blocks[0])
+        return {mode: float(i) for i, mode in enumerate(checkpointing.MODES)}
+
+    monkeypatch.setattr(checkpointing, "measure_block_memory", measure)
+    got = calibrate_ltx_block_memory(model, 12, torch.device("cpu"), batch=2, dtype=torch.float32)
+    assert got == {mode: float(i) for i, mode in enumerate(checkpointing.MODES)}
+    assert seen == dict(shape=(2, 12, 64), dtype=torch.float32, copy=True)
+    assert model.transformer_blocks[0].attn1.to_q.weight.grad is None  # the model's own block untouched
+
+
+def test_a_configs_only_folder_warns_in_the_dry_run_and_is_refused_by_the_real_run(tmp_path):
+    """``load_meta`` of an LTX folder without its tokenizer and with an unreadable text-encoder config:
+    the dry run warns about both (the text encoder is then not counted), the real run refuses."""
+    import shutil
+
+    from miles.models.ltx_family import LTX
+    from miles.models.tiny import tiny_model_path
+
+    folder = tmp_path / "ltx"
+    shutil.copytree(tiny_model_path(TINY_DIR, "ltx"), folder, ignore=shutil.ignore_patterns("*.safetensors"))
+    shutil.rmtree(folder / "tokenizer")
+    (folder / "text_encoder" / "config.json").write_text("{not json")
+    cfg = SimpleNamespace(model=SimpleNamespace(path=str(folder), task="auto"))
+    model, _, warnings = LTX.load_meta(cfg)
+    assert model.pipeline.text_encoder is None and model.transformers[0].device.type == "meta"
+    assert len(warnings) == 2, warnings
+    assert "the real run will refuse this folder" in warnings[0] and "'tokenizer'" in warnings[0]
+    assert warnings[1].startswith("text encoder config unreadable")
+    with pytest.raises(ValueError, match="lacks the 'tokenizer' folder"):
+        LTX.load_meta(cfg, strict=True)

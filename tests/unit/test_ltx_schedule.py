@@ -19,13 +19,13 @@ tests/unit/test_sampler.py holds the formula).
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
-TINY_DIR = Path(__file__).resolve().parents[2] / ".cache" / "tiny-wan"
+from tests.models import load_tiny_ltx
+
 TOKENS = (24, 256, 1024, 2500, 4096, 7392, 32760)  # below, inside and above base/max image_seq_len
 STEPS = (2, 3, 8, 20, 50)
 
@@ -97,19 +97,7 @@ def test_unsupported_scheduler_options_are_refused():
 
 @pytest.fixture(scope="module")
 def ltx():
-    from miles.models.family import family_of
-    from miles.models.tiny import tiny_model_path
-
-    cfg = SimpleNamespace(
-        path=str(tiny_model_path(TINY_DIR, "ltx")),
-        task="auto",
-        text_encoder_dtype="float32",
-        vae_dtype="float32",
-        text_encoder_offload=False,
-        vae_tiling=False,
-        init="pretrained",
-    )
-    return family_of(Path(cfg.path)).load(cfg, torch.device("cpu"))
+    return load_tiny_ltx()
 
 
 def _rollout_cfg(**kw):

@@ -124,3 +124,32 @@ def test_text_encoder_dtype_auto_is_bf16_on_cuda_only(model):
     assert model.pipeline.text_encoder.dtype == torch.float32  # loaded with the default on the CPU
     with pytest.raises(ValueError, match="text_encoder_dtype"):
         text_encoder_dtype("fp8", "cuda")
+
+
+class _SpyLinear(nn.Linear):
+    """A module with parameters (its home device is read from them) that records where it is moved."""
+
+    def __init__(self):
+        super().__init__(2, 2)
+        self.moves = []
+
+    def to(self, device):
+        self.moves.append(torch.device(device).type)
+        return self
+
+
+def test_a_family_model_takes_its_offloaded_encoder_to_the_device_and_back():
+    """``text_encoder_on`` (``WanModel``/``LTXModel.encode_prompts``): with offload the encoder
+    visits the device for the block and goes home after it, errors included; without, it stays."""
+    from miles.models.dtypes import text_encoder_on
+
+    encoder = _SpyLinear()
+    with text_encoder_on(encoder, "cuda", offload=True):
+        assert encoder.moves == ["cuda"]
+    assert encoder.moves == ["cuda", "cpu"]
+    with pytest.raises(RuntimeError, match="encode failed"), text_encoder_on(encoder, "cuda", offload=True):
+        raise RuntimeError("encode failed")
+    assert encoder.moves == ["cuda", "cpu"] * 2
+    with text_encoder_on(encoder, "cuda", offload=False):
+        pass
+    assert encoder.moves == ["cuda", "cpu"] * 2

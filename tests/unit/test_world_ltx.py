@@ -7,12 +7,11 @@ pipeline dry-runs."""
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 
-TINY_DIR = Path(__file__).resolve().parents[2] / ".cache" / "tiny-wan"
+from tests.models import load_tiny_ltx
 
 
 @pytest.mark.parametrize(
@@ -58,21 +57,9 @@ def test_the_token_count_shift_is_ltx_pipelines():
 def test_routed_expert_is_the_trainers_call():
     """``flow_loss`` calls the prior as the trainer calls an LTX expert (``LTXRouting.forward``:
     packed tokens, the text's mask, the RoPE scales of the VAE's compression)."""
-    from miles.models.family import family_of
-    from miles.models.tiny import tiny_model_path
     from miles.pretrain_world_ltx import RoutedExpert
 
-    path = tiny_model_path(TINY_DIR, "ltx")
-    cfg = SimpleNamespace(
-        path=str(path),
-        task="auto",
-        text_encoder_dtype="float32",
-        vae_dtype="float32",
-        text_encoder_offload=False,
-        vae_tiling=False,
-        init="pretrained",
-    )
-    model = family_of(Path(path)).load(cfg, torch.device("cpu"))
+    model = load_tiny_ltx()
     transformer = model.transformers[0]
     expert = RoutedExpert(transformer, model.pipeline.vae)
     assert expert.routing == model.routing
