@@ -33,6 +33,7 @@ ring call, which raises ``ModuleNotFoundError`` with what to change if they are 
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -259,8 +260,6 @@ class _WaitedRotater:
 
 def one_collective_in_flight(group: dist.ProcessGroup) -> bool:
     """Whether the ring over ``group`` waits each collective at once (gloo, unless MILES_RING_OVERLAP=1)."""
-    import os
-
     return dist.get_backend(group) == "gloo" and os.environ.get("MILES_RING_OVERLAP") != "1"
 
 
