@@ -24,6 +24,14 @@ prints every thread's Python stack) and, by ``--check``:
   freed blocks are quarantined; the intercepted ``memcpy``/``read``/``recv`` of uninstrumented code
   (gloo, torch) are checked against freed and out-of-bounds memory. The report goes to
   ``OUT/logs/<launch>.asan.<pid>``;
+- ``memcheck``: every rank runs under valgrind's memcheck (``torchrun --no-python valgrind ...``):
+  every load and store of every library (gloo, torch's kernels, Python) is checked against freed
+  blocks (kept out of reuse for ``--freelist-vol`` bytes) and block bounds, with the stacks of the
+  access, the free and the allocation. Valgrind runs one thread of a process at a time, so a race
+  shows only if its interleaving comes up; a launch takes minutes (``--timeout`` 7200, the ranks'
+  collective timeout is raised to match). Reports go to ``OUT/logs/<launch>.memcheck.<pid>``;
+  glibc's dynamic loader's word-wise ``strncmp`` over-read is suppressed (``bench/valgrind.supp``)
+  and uninitialised values are not tracked (torch's optimised code reports thousands);
 - ``none``: as a user runs it.
 
 ``--arms NAME=KEY=VALUE ...`` runs every layout once per arm in turn, each arm's launches with its
@@ -31,8 +39,12 @@ environment variable set (e.g. ``overlap=MILES_RING_OVERLAP=1 waited=MILES_RING_
 46's ring with gloo's collectives overlapped against waited at once); the counts are per layout and
 arm (``u2r2/overlap``), interleaved so that both see the same machine load.
 
-``--load N`` keeps N busy processes (nice 19) running beside the launches: the reported crash came
-on a loaded machine, where the ranks' threads interleave differently.
+``--load N`` keeps N busy processes running beside the launches: the reported crash came on a loaded
+machine, where the ranks' threads interleave differently. ``--load-nice`` sets their niceness (19 by
+default: they take only the idle CPU, so they barely preempt a rank; 0 competes with the ranks as
+other users' jobs did) and ``--load-kind`` what they do: ``spin`` (a busy loop) or ``churn`` (random
+bursts of 0.2-5 ms of work and sleeps of up to 2 ms, so the scheduler switches threads at many
+more, random, points, as a machine shared with other test runs does).
 
 Writes ``OUT/stress.json`` after every launch: the settings, one row per launch (layout, exit
 code, seconds, the machine's 1-minute load average at its start and end, ``crashed``, the kind — ``heap`` (a glibc heap check, a double free, ASan),
@@ -73,7 +85,23 @@ HEAP_PATTERNS = re.compile(
     r"malloc\(\)|free\(\)|double free|corrupted|tcache|unaligned .*chunk|malloc_consolidate|"
     r"AddressSanitizer|heap-use-after-free|heap-buffer-overflow"
 )
+CHECKS = ("malloc", "perturb", "asan", "memcheck", "none")
+VALGRIND_SUPP = REPO / "bench" / "valgrind.supp"
+# memcheck's reports that name a heap misuse (an access outside any live block, a bad free).
+MEMCHECK_ERROR = re.compile(
+    r"^==\d+== (Invalid (read|write|free)|Mismatched free|Source and destination overlap)"
+)
 SIGNAL_PATTERNS = re.compile(r"Fatal Python error|Signal \d+ \(SIG\w+\)|exitcode\s*:\s*-\d+|terminate called")
+# What each --load process runs.
+LOAD_KINDS = {
+    "spin": "import itertools\nfor _ in itertools.count(): pass",
+    "churn": (
+        "import random, time\nrng = random.Random()\nwhile True:\n"
+        "    end = time.perf_counter() + rng.uniform(2e-4, 5e-3)\n"
+        "    while time.perf_counter() < end: pass\n"
+        "    time.sleep(rng.uniform(0, 2e-3))"
+    ),
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -84,13 +112,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--minutes", type=float, default=None, help="start no launch after this many minutes")
     p.add_argument("--rollouts", type=int, default=2, help="rollouts per launch (2 optimizer steps each)")
     p.add_argument("--prompts", type=int, default=8, help="global prompt groups per rollout")
-    p.add_argument(
-        "--check", choices=("malloc", "perturb", "asan", "none"), default="malloc", help="heap checking"
-    )
+    p.add_argument("--check", choices=CHECKS, default="malloc", help="heap checking")
     p.add_argument("--perturb", type=int, default=165, help="MALLOC_PERTURB_ byte (--check malloc, perturb)")
-    p.add_argument("--load", type=int, default=0, help="busy processes (nice 19) beside the launches")
+    p.add_argument("--load", type=int, default=0, help="busy processes beside the launches")
+    p.add_argument("--load-nice", type=int, default=19, help="their niceness (0: compete with the ranks)")
+    p.add_argument("--load-kind", choices=LOAD_KINDS, default="spin", help="spin, or churn (work and sleep)")
     p.add_argument("--nproc", type=int, default=4)
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds per launch")
+    p.add_argument("--timeout", type=float, default=None, help="seconds per launch (900; 7200 for memcheck)")
     p.add_argument("--keep-logs", action="store_true", help="keep the logs of passing launches too")
     p.add_argument(
         "--arms", nargs="+", default=[], metavar="NAME=KEY=VALUE", help="launch each layout once per arm"
@@ -108,12 +136,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"unknown layouts {sorted(unknown)}; known: {sorted(known)}")
     if args.runs < 1 or args.rollouts < 1:
         p.error("--runs and --rollouts must be >= 1")
+    if args.timeout is None:
+        args.timeout = 7200.0 if args.check == "memcheck" else 900.0
     return args
 
 
 def check_env(check: str, perturb: int, log_stem: Path) -> dict[str, str]:
     """The environment variables of ``--check`` (empty for none); raises when its library is missing."""
     if check == "none":
+        return {}
+    if check == "memcheck":  # not an environment: the ranks' command starts valgrind (command())
+        if shutil.which("valgrind") is None:
+            raise SystemExit("--check memcheck needs valgrind (apt-get install valgrind)")
         return {}
     if check == "perturb":  # glibc's own allocator, tcache and all (the reported crash's)
         return {"MALLOC_PERTURB_": str(perturb)}
@@ -134,17 +168,46 @@ def check_env(check: str, perturb: int, log_stem: Path) -> dict[str, str]:
     }
 
 
-def command(args: argparse.Namespace, sp: int, ulysses: int, name: str) -> list[str]:
+def valgrind_prefix(log_stem: Path) -> list[str]:
+    """What runs each rank under memcheck: torchrun starts ``valgrind ... python`` (``--no-python``)."""
+    return [
+        "--no-python", "valgrind", "--tool=memcheck", "--num-callers=40", "--error-limit=no",
+        "--fair-sched=yes", "--freelist-vol=200000000", "--undef-value-errors=no",
+        f"--suppressions={VALGRIND_SUPP}", f"--log-file={log_stem}.memcheck.%p", sys.executable,
+    ]  # fmt: skip
+
+
+def memcheck_errors(paths: list[Path], limit: int = 40) -> list[str]:
+    """The lines of every heap-misuse report in memcheck's logs (each with its stacks), [] when none."""
+    out: list[str] = []
+    for path in paths:
+        lines = path.read_text(errors="replace").splitlines()
+        for i, line in enumerate(lines):
+            if MEMCHECK_ERROR.match(line):
+                end = next(
+                    (j for j in range(i + 1, len(lines)) if lines[j].rstrip().endswith("==")), len(lines)
+                )
+                out += [f"{path.name}: {ln}" for ln in lines[i : min(end, i + limit)]]
+    return out
+
+
+def command(
+    args: argparse.Namespace, sp: int, ulysses: int, name: str, log_stem: Path | None = None
+) -> list[str]:
     dp = args.nproc // sp
+    memcheck = args.check == "memcheck"
+    prefix = valgrind_prefix(log_stem or args.out / "logs" / name) if memcheck else []
+    # Ranks under valgrind run 20-50x slower: a rank waits for the others far longer than usual.
+    slow = ["--run.collective-timeout-s", str(int(max(args.timeout, 600)))] if memcheck else []
     return [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
-        "train_grpo.py", "--config", "configs/tiny_bands.yaml",
+        *prefix, "train_grpo.py", "--config", "configs/tiny_bands.yaml",
         "--sequence-parallel-size", str(sp), "--ulysses-degree", str(ulysses),
         "--data.prompts-per-rank", str(args.prompts // dp),
         "--train.num-rollouts", str(args.rollouts), "--train.checkpoint-every", str(args.rollouts),
         "--train.keep-checkpoints", "0", "--train.no-resume", "--deterministic-mode",
         "--run.output-dir", str(args.out / "runs"), "--run.name", name,
-        "--run.wandb-mode", "disabled", "--run.no-progress", *args.extra,
+        "--run.wandb-mode", "disabled", "--run.no-progress", *slow, *args.extra,
     ]  # fmt: skip
 
 
@@ -192,7 +255,7 @@ def launch(
         **check_env(args.check, args.perturb, logs / name),
         **(args.arm_env[arm] if arm else {}),
     }
-    cmd = command(args, sp, ulysses, name)
+    cmd = command(args, sp, ulysses, name, logs / name)
     load_start = os.getloadavg()[0]
     t0 = time.perf_counter()
     timed_out = False
@@ -209,6 +272,9 @@ def launch(
     if asan_reports and kind != "timeout":
         kind = "heap"
         lines = lines or [Path(asan_reports[0]).read_text(errors="replace").splitlines()[0]]
+    memcheck = memcheck_errors(sorted(logs.glob(f"{name}.memcheck.*")))
+    if memcheck and kind != "timeout":
+        kind, lines = "heap", memcheck
     crashed = kind != "pass"
     metrics = read_metrics(run_dir)
     digest = hashlib.sha256(json.dumps([_stable(r) for r in metrics], sort_keys=True).encode()).hexdigest()
@@ -264,9 +330,9 @@ def summarize(rows: list[dict], layouts: list[str]) -> dict:
     return {"layouts": per, "total": total}
 
 
-def start_load(n: int) -> list[subprocess.Popen]:
-    busy = "import itertools\nfor _ in itertools.count(): pass"
-    return [subprocess.Popen(["nice", "-n", "19", sys.executable, "-c", busy]) for _ in range(n)]
+def start_load(n: int, nice: int = 19, kind: str = "spin") -> list[subprocess.Popen]:
+    cmd = ["nice", "-n", str(nice), sys.executable, "-c", LOAD_KINDS[kind]]
+    return [subprocess.Popen(cmd) for _ in range(n)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -280,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     settings["env"] = {k: v for k, v in check_env(args.check, args.perturb, Path("<log>")).items()}
     settings["cpus"] = os.cpu_count()
     rows: list[dict] = []
-    load = start_load(args.load)
+    load = start_load(args.load, args.load_nice, args.load_kind)
     t_start = time.monotonic()
     try:
         for index in range(args.runs):

@@ -4,8 +4,12 @@ sets the allocator's variables."""
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "bench"))
@@ -88,3 +92,73 @@ def test_arms_set_their_variable_and_every_arm_must_match_the_layouts_first(tmp_
     assert summary["layouts"]["u2r2/waited"] == {
         "runs": 2, "crashes": 0, "heap": 0, "diverged": 1, "mean_wall_s": 1.0
     }  # fmt: skip
+
+
+def test_each_load_kind_is_a_runnable_program():
+    for kind, source in sp_stress.LOAD_KINDS.items():
+        compile(source, f"<load {kind}>", "exec")  # a syntax error would only show as a silent idle load
+    procs = sp_stress.start_load(1, nice=0, kind="churn")
+    try:
+        assert procs[0].poll() is None  # still running: it works and sleeps forever
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+def test_memcheck_runs_every_rank_under_valgrind_with_a_longer_timeout(tmp_path):
+    args = sp_stress.parse_args(["--out", str(tmp_path), "--check", "memcheck"])
+    assert args.timeout == 7200.0 and sp_stress.parse_args(["--out", str(tmp_path)]).timeout == 900.0
+    cmd = sp_stress.command(args, 4, 2, "u2r2_000", tmp_path / "logs" / "u2r2_000")
+    at = cmd.index("--no-python")
+    assert cmd[at + 1] == "valgrind" and "--tool=memcheck" in cmd
+    assert cmd.index(sys.executable, at) < cmd.index("train_grpo.py")  # valgrind starts python
+    assert f"--log-file={tmp_path / 'logs' / 'u2r2_000'}.memcheck.%p" in cmd
+    assert cmd[cmd.index("--run.collective-timeout-s") + 1] == "7200"
+    plain = sp_stress.command(sp_stress.parse_args(["--out", str(tmp_path)]), 4, 2, "x")
+    assert "--no-python" not in plain and "--run.collective-timeout-s" not in plain
+
+
+# A memcheck report as valgrind 3.19 writes it (abridged stacks), and the loader's suppressed kind.
+MEMCHECK_LOG = """==71== Memcheck, a memory error detector
+==71== Invalid write of size 8
+==71==    at 0x4C3B2A1: gloo::transport::tcp::Pair::handleCompletion() (in libtorch_cpu.so)
+==71==    by 0x4C3B9F0: gloo::transport::tcp::Loop::run() (in libtorch_cpu.so)
+==71==  Address 0x1b2c3d40 is 0 bytes inside a block of size 24 free'd
+==71==    at 0x484B27F: operator delete(void*) (vg_replace_malloc.c:923)
+==71==    by 0x4C1A111: c10d::ProcessGroupGloo::runLoop(int) (in libtorch_cpu.so)
+==71==
+==71== Conditional jump or move depends on uninitialised value(s)
+==71==    at 0x5A1: at::TensorIteratorBase::build(at::TensorIteratorConfig&) (in libtorch_cpu.so)
+==71==
+==71== ERROR SUMMARY: 2 errors from 2 contexts (suppressed: 4 from 1)
+"""
+
+
+def test_memcheck_reports_of_heap_misuse_are_crashes_with_their_stacks(tmp_path):
+    log = tmp_path / "u2r2_000.memcheck.71"
+    log.write_text(MEMCHECK_LOG)
+    lines = sp_stress.memcheck_errors([log])
+    assert lines[0] == f"{log.name}: ==71== Invalid write of size 8"
+    assert any("block of size 24 free'd" in ln for ln in lines) and any("runLoop" in ln for ln in lines)
+    assert not any("uninitialised" in ln for ln in lines)  # not a heap misuse
+    clean = tmp_path / "u2r2_001.memcheck.72"
+    clean.write_text(MEMCHECK_LOG.split("==71== Invalid")[0] + "==71== ERROR SUMMARY: 0 errors\n")
+    assert sp_stress.memcheck_errors([clean]) == []
+
+
+@pytest.mark.skipif(shutil.which("valgrind") is None, reason="needs valgrind")
+def test_memcheck_as_run_finds_a_write_after_free_and_passes_the_loader(tmp_path):
+    """The prefix the ranks run under, on a process that writes into a freed 24-byte block (the
+    issue's chunk size) and one that does not: the first is reported with the free's stack, the
+    second has nothing (the loader's over-read is suppressed)."""
+    uaf = "import ctypes; c = ctypes.CDLL(None); c.malloc.restype = ctypes.c_void_p; "
+    uaf += "p = c.malloc(24); c.free(ctypes.c_void_p(p)); ctypes.memset(p, 1, 8)"
+    for name, code in (("bad", uaf), ("good", "import ctypes; ctypes.CDLL(None)")):
+        prefix = sp_stress.valgrind_prefix(tmp_path / name)
+        assert prefix[:2] == ["--no-python", "valgrind"] and prefix[-1] == sys.executable
+        subprocess.run([*prefix[1:], "-c", code], check=True, timeout=300)  # valgrind ... python -c
+    bad = sp_stress.memcheck_errors(sorted(tmp_path.glob("bad.memcheck.*")))
+    assert bad and "Invalid write of size 8" in bad[0]
+    assert any("free'd" in ln for ln in bad)
+    assert sp_stress.memcheck_errors(sorted(tmp_path.glob("good.memcheck.*"))) == []
