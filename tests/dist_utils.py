@@ -46,6 +46,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from miles.parallel.gloo import one_worker_per_gloo_group
+
 # Seeds of the tests' random inputs: fixed, so a failing case fails again (one per call site).
 FIXED_SEEDS = (271828, 314159, 161803, 141421, 173205, 223606, 577215, 662607, 299792)
 
@@ -86,6 +88,7 @@ def _init_rank(rank: int, world_size: int, port: int) -> None:
         LOCAL_RANK=str(rank),
     )
     torch.set_num_threads(1)
+    one_worker_per_gloo_group()  # as every miles process (issue 46)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
 
 

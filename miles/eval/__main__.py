@@ -29,6 +29,7 @@ import torch.distributed as dist
 from miles.config import Config, ConfigError, ModelConfig, parse_args
 from miles.console import configure_library_progress, show_progress
 from miles.files import check_writable, verify_checkpoint
+from miles.parallel.gloo import one_worker_per_gloo_group
 
 
 def load_checkpoint_weights(model, checkpoint: Path, model_cfg: ModelConfig) -> None:
@@ -139,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     world = int(os.environ.get("WORLD_SIZE", 1))
     if world > 1:
+        one_worker_per_gloo_group()  # as the trainer: torch's two gloo workers race (issue 46)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     rank = dist.get_rank() if world > 1 else 0
     for t in model.transformers:

@@ -33,7 +33,6 @@ ring call, which raises ``ModuleNotFoundError`` with what to change if they are 
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -223,68 +222,6 @@ def _load_balance_off(templates):
         templates._cp_options.enable_load_balance = old
 
 
-# Issue 46: on gloo (CPU), a rank of a ring layout aborted about once in 20 loaded launches with
-# glibc's "unaligned tcache chunk" in a gloo worker thread during the ring backward, while two
-# ring collectives were in flight beside the CPU attention kernel. On gloo every ring collective
-# is therefore waited as soon as it is issued: one in flight at a time, none beside the kernel.
-# The values are the same bit for bit (only when the waits happen changes); NCCL is untouched.
-# MILES_RING_OVERLAP=1 keeps gloo's overlap (bench/sp_stress.py --arms compares the two).
-_PENDING_ATTRS = ("_buffer", "_aggregated_buffer")  # the templates' rotaters' pending results
-
-
-class _WaitedRotater:
-    """A ring rotater of torch's templates whose exchange waits for its own collective."""
-
-    def __init__(self, inner):
-        self.inner = inner
-
-    def exchange_buffers(self, curr_buffer: torch.Tensor) -> None:
-        from torch.distributed._functional_collectives import AsyncCollectiveTensor
-
-        self.inner.exchange_buffers(curr_buffer)
-        found = [a for a in _PENDING_ATTRS if hasattr(self.inner, a)]
-        if not found:
-            raise RuntimeError(
-                f"torch {torch.__version__}'s ring rotater {type(self.inner).__name__} keeps its pending "
-                f"result in none of {_PENDING_ATTRS}; set MILES_RING_OVERLAP=1 to run gloo's ring "
-                f"collectives overlapped (untested on this torch), or use a Ulysses-only layout."
-            )
-        for attr in found:
-            pending = getattr(self.inner, attr)
-            if isinstance(pending, AsyncCollectiveTensor):
-                setattr(self.inner, attr, pending.wait())
-
-    def next_buffer(self) -> torch.Tensor:
-        return self.inner.next_buffer()
-
-
-def one_collective_in_flight(group: dist.ProcessGroup) -> bool:
-    """Whether the ring over ``group`` waits each collective at once (gloo, unless MILES_RING_OVERLAP=1)."""
-    return dist.get_backend(group) == "gloo" and os.environ.get("MILES_RING_OVERLAP") != "1"
-
-
-@contextlib.contextmanager
-def _waited_rotation(templates, group: dist.ProcessGroup):
-    if not one_collective_in_flight(group):
-        yield
-        return
-    create = getattr(templates, "_create_rotater", None)
-    if create is None:
-        raise RuntimeError(
-            f"torch {torch.__version__}'s ring templates have no _create_rotater to wait through; set "
-            f"MILES_RING_OVERLAP=1 to run gloo's ring collectives overlapped, or use a Ulysses-only layout."
-        )
-
-    def waited(pg, seq_dim, method=None):
-        return _WaitedRotater(create(pg, seq_dim, method))
-
-    templates._create_rotater = waited
-    try:
-        yield
-    finally:
-        templates._create_rotater = create
-
-
 class _PaddedRingStep:
     """The kernel of one ring forward or backward, called once per ring step by the templates.
 
@@ -354,7 +291,7 @@ class _RingAttention(torch.autograd.Function):
         templates = _ring_templates()
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         step = _PaddedRingStep(kernel, rank, size, query.shape[2], seq_len)
-        with _load_balance_off(templates), _waited_rotation(templates, group):
+        with _load_balance_off(templates):
             out, lse, extras = templates._templated_ring_attention(
                 group, 2, step.forward, query, key, value, is_causal=False, scale=scale
             )
@@ -368,7 +305,7 @@ class _RingAttention(torch.autograd.Function):
         templates = _ring_templates()
         rank, size = dist.get_rank(ctx.group), dist.get_world_size(ctx.group)
         step = _PaddedRingStep(ctx.kernel, rank, size, query.shape[2], ctx.seq_len)
-        with _load_balance_off(templates), _waited_rotation(templates, ctx.group):
+        with _load_balance_off(templates):
             dq, dk, dv, *_ = templates._templated_ring_attention_backward(
                 ctx.group,
                 2,

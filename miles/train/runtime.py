@@ -13,6 +13,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from miles.parallel.gloo import one_worker_per_gloo_group
 from miles.train.launcher_watch import watch_launcher
 
 __all__ = ["deterministic_kernels", "enable_crash_traces", "init_distributed", "peak_memory_gib"]
@@ -27,6 +28,7 @@ def init_distributed(timeout_s: float) -> torch.device:
     # the memory, and fixed-size segments fragmented it (A14B rehearsal: 60.5 GiB allocated, 83.6
     # reserved). A user's own PYTORCH_CUDA_ALLOC_CONF wins.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    one_worker_per_gloo_group()  # before the first gloo group: torch's two workers race (issue 46)
     if not dist.is_initialized():
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")

@@ -98,20 +98,29 @@ def _gather_backward_body(rank, world_size):
     assert all(torch.equal(c, copies[0]) for c in copies)
 
 
-def _ring_waits_body(rank, world_size):
-    """Issue 46's workaround: on gloo the ring waits each collective at once, so none is in flight
-    while the attention kernel runs; the values are those of the overlapped ring bit for bit."""
-    import os
-
+def _one_gloo_worker_body(rank, world_size):
+    """Issue 46's fix: every gloo group of an SP mesh (the world, the ring's, Ulysses', dp's) runs one
+    worker thread, so no two collectives of a group finish at once in torch's racy ``runLoop``, and
+    the ring's collectives are still in flight beside the attention kernel (its overlap is kept)."""
     import miles.sequence_parallel.ring as ring_mod
+    from miles.parallel.gloo import gloo_worker_threads
 
     dims = ParallelDims(world_size=world_size, sequence_parallel_size=world_size, ulysses_degree=1)
     mesh = build_parallel_mesh(dims, "cpu")
+    groups = {
+        "world": dist.group.WORLD,
+        "ring": mesh.ring_group,
+        "ulysses": mesh.ulysses_group,
+        "dp": mesh.dp_group,
+        "sp (flattened)": mesh.sp_group,
+        "fsdp (flattened)": mesh.fsdp_mesh.get_group(mesh.fsdp_mesh.ndim - 1),
+    }
+    threads = {name: gloo_worker_threads(group) for name, group in groups.items()}
+    assert set(threads.values()) == {1}, threads
     g = torch.Generator().manual_seed(FIXED_SEEDS[2])
     q, k, v, grad_out = (torch.randn(2, 16 * world_size, 4, 16, generator=g) for _ in range(4))
     registry = torch._C._distributed_c10d._get_work_registry_size
-    kernel = ring_mod.CPU_RING_KERNEL
-    seen: list[int] = []
+    kernel, seen = ring_mod.CPU_RING_KERNEL, []
 
     def counted(fn):
         def call(*args, **kwargs):
@@ -124,25 +133,10 @@ def _ring_waits_body(rank, world_size):
         kernel.name, counted(kernel.forward), counted(kernel.backward)
     )
     try:
-        runs = {}
-        for overlap in ("1", None):
-            seen.clear()
-            if overlap:
-                os.environ["MILES_RING_OVERLAP"] = overlap
-            try:
-                runs[overlap] = (_usp_run(q, k, v, grad_out, mesh), list(seen))
-            finally:
-                os.environ.pop("MILES_RING_OVERLAP", None)
+        _usp_run(q, k, v, grad_out, mesh)
     finally:
         ring_mod.CPU_RING_KERNEL = kernel
-    (overlapped, seen_overlap), (waited, seen_waited) = runs["1"], runs[None]
-    assert ring_mod.one_collective_in_flight(mesh.ring_group)
-    assert max(seen_overlap) >= 1, (
-        f"the overlapped ring had nothing in flight beside the kernel: {seen_overlap}"
-    )
-    assert seen_waited and max(seen_waited) == 0, f"collectives in flight beside the kernel: {seen_waited}"
-    for label, x, y in zip(("out", "dq", "dk", "dv"), waited, overlapped):
-        assert torch.equal(x, y), f"{label}: the waited ring differs from the overlapped one"
+    assert seen and max(seen) >= 1, f"the ring had nothing in flight beside the kernel: {seen}"
 
 
 def test_usp_attention_world4():
@@ -156,4 +150,4 @@ def test_usp_attention_world2_and_gather_backward():
     bands = [(u, dtype) for u in (2, 1) for dtype in DTYPES]  # u2r1, u1r2
     run_pooled(_bands_body, 2, bands, seed)
     run_pooled(_gather_backward_body, 2)
-    run_pooled(_ring_waits_body, 2)
+    run_pooled(_one_gloo_worker_body, 2)
