@@ -3,6 +3,8 @@
     python bench/sp_stress.py --out runs/sp_stress --runs 5                  # 5 launches of each layout
     python bench/sp_stress.py --out runs/sp_stress --minutes 60 --layouts u2r2 --load 2
     python bench/sp_stress.py --out runs/sp_asan --runs 1 --check asan      # AddressSanitizer preloaded
+    python bench/sp_stress.py --out runs/sp_chaos --layouts u2r2 --check perturb --chaos 4:100000 \
+        --arms torch=MILES_GLOO_WORKERS=2 miles=MILES_GLOO_WORKERS=1          # issue 46, torch vs the fix
 
 Each launch is the e2e band recipe (``configs/tiny_bands.yaml``: the tiny two-expert Wan, 4 gloo
 processes, ``--deterministic-mode``) at one dp x sp layout, ``--rollouts`` rollouts, a checkpoint
@@ -35,9 +37,16 @@ prints every thread's Python stack) and, by ``--check``:
 - ``none``: as a user runs it.
 
 ``--arms NAME=KEY=VALUE ...`` runs every layout once per arm in turn, each arm's launches with its
-environment variable set (e.g. ``overlap=MILES_RING_OVERLAP=1 waited=MILES_RING_OVERLAP=0``: issue
-46's ring with gloo's collectives overlapped against waited at once); the counts are per layout and
-arm (``u2r2/overlap``), interleaved so that both see the same machine load.
+environment variable set (e.g. ``torch=MILES_GLOO_WORKERS=2 miles=MILES_GLOO_WORKERS=1``: torch's
+two gloo worker threads per group against miles' one, issue 46); the counts are per layout and
+arm (``u2r2/torch``), interleaved so that both see the same machine load.
+
+``--chaos EVERY:NS`` preloads ``bench/chaos_memcpy.c`` (built with gcc into ``OUT``) in every rank: a
+copy of at most 24 bytes by a thread other than the main one sleeps NS nanoseconds one time in EVERY.
+It widens the window of races between threads (issue 46's: torch's two gloo workers of one group
+writing one string, ``bench/gloo_worker_race.py``) so that a launch loses them far more often than by
+chance, without changing any value. ``--arms torch=MILES_GLOO_WORKERS=2 miles=MILES_GLOO_WORKERS=1``
+compares torch's default against the fix.
 
 ``--load N`` keeps N busy processes running beside the launches: the reported crash came on a loaded
 machine, where the ranks' threads interleave differently. ``--load-nice`` sets their niceness (19 by
@@ -73,6 +82,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
 from e2e_bands import BANDS, _stable, read_metrics  # noqa: E402  (bench scripts run as files, not a package)
+from gloo_worker_race import build_chaos  # noqa: E402
 
 DEFAULT_LAYOUTS = "u2r2,u4r1,u1r4,dp2xu2"
 MALLOC_DEBUG = ("/usr/lib/x86_64-linux-gnu/libc_malloc_debug.so.0", "/lib64/libc_malloc_debug.so.0")
@@ -123,6 +133,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--arms", nargs="+", default=[], metavar="NAME=KEY=VALUE", help="launch each layout once per arm"
     )
+    p.add_argument("--chaos", default=None, metavar="EVERY:NS", help="slow small copies off the main thread")
     p.add_argument("extra", nargs="*", help="further train_grpo.py flags for every launch (after --)")
     args = p.parse_args(argv)
     try:
@@ -136,6 +147,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"unknown layouts {sorted(unknown)}; known: {sorted(known)}")
     if args.runs < 1 or args.rollouts < 1:
         p.error("--runs and --rollouts must be >= 1")
+    if args.chaos is not None:
+        try:
+            args.chaos = tuple(int(v) for v in args.chaos.split(":"))
+            assert len(args.chaos) == 2 and min(args.chaos) > 0
+        except (ValueError, AssertionError):
+            p.error(f"--chaos takes EVERY:NS (two integers > 0), got {args.chaos!r}")
     if args.timeout is None:
         args.timeout = 7200.0 if args.check == "memcheck" else 900.0
     return args
@@ -166,6 +183,19 @@ def check_env(check: str, perturb: int, log_stem: Path) -> dict[str, str]:
         "LD_PRELOAD": str(Path(lib).resolve()),
         "ASAN_OPTIONS": f"{ASAN_OPTIONS}:log_path={log_stem}.asan",
     }
+
+
+def chaos_env(lib: Path, chaos: tuple[int, int], preload: str | None, asan: str | None) -> dict[str, str]:
+    """``--chaos``: ``bench/chaos_memcpy.c`` preloaded before the check's library (ASan is told not to
+    insist on coming first)."""
+    env = {
+        "LD_PRELOAD": ":".join([str(lib), *([preload] if preload else [])]),
+        "CHAOS_EVERY": str(chaos[0]),
+        "CHAOS_DELAY_NS": str(chaos[1]),
+    }
+    if asan:
+        env["ASAN_OPTIONS"] = f"{asan}:verify_asan_link_order=0"
+    return env
 
 
 def valgrind_prefix(log_stem: Path) -> list[str]:
@@ -255,6 +285,8 @@ def launch(
         **check_env(args.check, args.perturb, logs / name),
         **(args.arm_env[arm] if arm else {}),
     }
+    if args.chaos:
+        env.update(chaos_env(args.chaos_lib, args.chaos, env.get("LD_PRELOAD"), env.get("ASAN_OPTIONS")))
     cmd = command(args, sp, ulysses, name, logs / name)
     load_start = os.getloadavg()[0]
     t0 = time.perf_counter()
@@ -342,10 +374,15 @@ def main(argv: list[str] | None = None) -> int:
     arms = list(args.arm_env) or [None]
     keys = [f"{layout}/{arm}" if arm else layout for layout in layouts for arm in arms]
     bands = {b[0]: b for b in BANDS}
-    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in ("out",)}
+    settings = {
+        k: (str(v) if isinstance(v, Path) else v)
+        for k, v in vars(args).items()
+        if k not in ("out", "chaos_lib")
+    }
     settings["env"] = {k: v for k, v in check_env(args.check, args.perturb, Path("<log>")).items()}
     settings["cpus"] = os.cpu_count()
     rows: list[dict] = []
+    args.chaos_lib = build_chaos(args.out) if args.chaos else None
     load = start_load(args.load, args.load_nice, args.load_kind)
     t_start = time.monotonic()
     try:

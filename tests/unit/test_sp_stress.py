@@ -73,9 +73,9 @@ def test_each_check_sets_the_allocators_variables(tmp_path):
 
 def test_arms_set_their_variable_and_every_arm_must_match_the_layouts_first(tmp_path):
     args = sp_stress.parse_args(
-        ["--out", str(tmp_path), "--arms", "overlap=MILES_RING_OVERLAP=1", "waited=MILES_RING_OVERLAP=0"]
+        ["--out", str(tmp_path), "--arms", "torch=MILES_GLOO_WORKERS=2", "miles=MILES_GLOO_WORKERS=1"]
     )
-    assert args.arm_env == {"overlap": {"MILES_RING_OVERLAP": "1"}, "waited": {"MILES_RING_OVERLAP": "0"}}
+    assert args.arm_env == {"torch": {"MILES_GLOO_WORKERS": "2"}, "miles": {"MILES_GLOO_WORKERS": "1"}}
     for bad in (["x"], ["=K=V"], ["name=novalue"]):
         try:
             sp_stress.parse_args(["--out", str(tmp_path), "--arms", *bad])
@@ -85,11 +85,11 @@ def test_arms_set_their_variable_and_every_arm_must_match_the_layouts_first(tmp_
             raise AssertionError(f"--arms {bad} accepted")
     rows = [
         {"layout": f"u2r2/{arm}", "metrics_sha256": d, "crashed": False, "kind": "pass", "wall_s": 1.0}
-        for arm, d in (("overlap", "aa"), ("waited", "aa"), ("overlap", "aa"), ("waited", "bb"))
+        for arm, d in (("torch", "aa"), ("miles", "aa"), ("torch", "aa"), ("miles", "bb"))
     ]
-    summary = sp_stress.summarize(rows, ["u2r2/overlap", "u2r2/waited"])
+    summary = sp_stress.summarize(rows, ["u2r2/torch", "u2r2/miles"])
     assert [r["diverged"] for r in rows] == [False, False, False, True]  # the arms must agree bitwise
-    assert summary["layouts"]["u2r2/waited"] == {
+    assert summary["layouts"]["u2r2/miles"] == {
         "runs": 2, "crashes": 0, "heap": 0, "diverged": 1, "mean_wall_s": 1.0
     }  # fmt: skip
 
@@ -162,3 +162,19 @@ def test_memcheck_as_run_finds_a_write_after_free_and_passes_the_loader(tmp_path
     assert bad and "Invalid write of size 8" in bad[0]
     assert any("free'd" in ln for ln in bad)
     assert sp_stress.memcheck_errors(sorted(tmp_path.glob("good.memcheck.*"))) == []
+
+
+def test_chaos_preloads_its_library_before_the_checks_and_tells_asan(tmp_path):
+    args = sp_stress.parse_args(["--out", str(tmp_path), "--chaos", "4:100000"])
+    assert args.chaos == (4, 100000)
+    lib = tmp_path / "libchaos.so"
+    env = sp_stress.chaos_env(lib, args.chaos, "/lib/libasan.so", "halt_on_error=1")
+    assert env["LD_PRELOAD"] == f"{lib}:/lib/libasan.so"  # the delay wraps ASan's checked copy
+    assert env["ASAN_OPTIONS"] == "halt_on_error=1:verify_asan_link_order=0"
+    assert (env["CHAOS_EVERY"], env["CHAOS_DELAY_NS"]) == ("4", "100000")
+    assert sp_stress.chaos_env(lib, (1, 1), None, None) == {
+        "LD_PRELOAD": str(lib), "CHAOS_EVERY": "1", "CHAOS_DELAY_NS": "1"
+    }  # fmt: skip
+    for bad in ("4", "0:10", "a:b", "1:2:3"):
+        with pytest.raises(SystemExit):
+            sp_stress.parse_args(["--out", str(tmp_path), "--chaos", bad])
