@@ -97,14 +97,16 @@ e2e-bands: tiny-model
 	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(PY) bench/e2e_bands.py --out runs/bands --double-run
 
 # Native-crash stress (not part of `make test`): the sp layouts (u2r2, u4r1, u1r4, dp2xu2) launched in
-# turn under glibc's heap checks with faulthandler in every rank; runs/sp_stress/stress.json counts
-# crashes and diverged runs (docs/reliability.md). STRESS_RUNS launches per layout, STRESS_CHECK
-# malloc|asan|none.
+# turn under heap checks with faulthandler in every rank, small copies off the main thread slowed to
+# widen thread races (bench/chaos_memcpy.c); runs/sp_stress/stress.json counts crashes and diverged
+# runs (docs/reliability.md). STRESS_RUNS launches per layout, STRESS_CHECK perturb|malloc|asan|memcheck|none,
+# STRESS_CHAOS EVERY:NS (empty: off). MILES_GLOO_WORKERS=2 make stress-sp brings back issue 46's abort.
 STRESS_RUNS ?= 3
-STRESS_CHECK ?= malloc
+STRESS_CHECK ?= perturb
+STRESS_CHAOS ?= 4:100000
 stress-sp: tiny-model
 	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 nice -n 19 $(PY) bench/sp_stress.py --out runs/sp_stress \
-		--runs $(STRESS_RUNS) --check $(STRESS_CHECK)
+		--runs $(STRESS_RUNS) --check $(STRESS_CHECK) $(if $(STRESS_CHAOS),--chaos $(STRESS_CHAOS))
 
 # One-GPU benchmarks (needs CUDA): the trainer's step vs stock diffusers at Wan shapes.
 bench: setup
