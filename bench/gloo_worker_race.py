@@ -54,7 +54,8 @@ ASAN_OPTIONS = (
     "new_delete_type_mismatch=0:detect_odr_violation=0"
 )
 REPORT = re.compile(
-    r"AddressSanitizer|malloc\(\)|free\(\)|double free|corrupted|tcache|Segmentation fault|Fatal Python error"
+    r"AddressSanitizer|malloc\(\)|free\(\)|double free|corrupted|tcache|Segmentation fault|Fatal Python error|"
+    r"hung: timed out"
 )
 ARMS = ("torch", "miles")
 
@@ -125,7 +126,10 @@ def run_arm(arm: str, args: argparse.Namespace, env: dict[str, str]) -> dict:
         str(args.pairs),
     ]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.seconds * 4 + 120)
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.seconds * 4 + 120)
+    except subprocess.TimeoutExpired as e:  # a hang (e.g. a worker dead in a lock) is a failure too
+        proc = subprocess.CompletedProcess(cmd, -1, str(e.stdout or ""), f"{e.stderr or ''}\nhung: timed out")
     out = proc.stdout + proc.stderr
     last = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     done = json.loads(last[-1]) if last else {}

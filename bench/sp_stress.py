@@ -74,6 +74,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -383,6 +384,8 @@ def main(argv: list[str] | None = None) -> int:
     settings["cpus"] = os.cpu_count()
     rows: list[dict] = []
     args.chaos_lib = build_chaos(args.out) if args.chaos else None
+    # SIGTERM (kill, a scheduler) ends like Ctrl-C: the launch in flight and the load processes are killed.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     load = start_load(args.load, args.load_nice, args.load_kind)
     t_start = time.monotonic()
     try:
