@@ -9,9 +9,9 @@ collective, ``ProcessGroupGloo::runLoop`` records it in the group's status —
 ``pgStatus_->lastCompletedWorkName = opTypeToString(work->opType_)`` — after releasing
 ``workMutex_``, so two workers that finish at the same time assign one ``std::string`` at once. The
 ring attention's backward has exactly that: the K/V all-gather (``ALLGATHER_COALESCED``, 19
-characters: a heap buffer) and the dK/dV permute (``ALLTOALL_BASE``, 13: stored in place) in flight
+characters: a heap buffer) and the dK/dV permute (``ALLTOALL``, 8: stored in place) in flight
 together on one group. One worker swaps its new heap buffer in and frees the old one while the other
-copies ``ALLTOALL_BASE`` into the old one it had already read: a write into a freed 32-byte chunk
+copies ``ALLTOALL`` into the old one it had already read: a write into a freed 32-byte chunk
 of the first worker's tcache, which aborts that worker at its next small allocation with
 ``malloc(): unaligned tcache chunk detected`` — the crash of issue 46, in a gloo worker of the ring
 group, beside the ring backward. helgrind (``valgrind --tool=helgrind``) reports the race on a real
@@ -75,7 +75,7 @@ def child(arm: str, seconds: float, pairs: int) -> None:
     works, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
         pending = []
-        for x in xs:  # ALLGATHER_COALESCED (a heap string), then ALLTOALL_BASE (an in-place one)
+        for x in xs:  # ALLGATHER_COALESCED (a heap string), then ALLTOALL (an in-place one)
             pending.append(backend.allgather_coalesced([[torch.empty(4)]], [x]))
             pending.append(backend.alltoall_base(torch.empty(4), x, [], []))
         for work in pending:
