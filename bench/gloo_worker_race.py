@@ -85,6 +85,16 @@ def child(arm: str, seconds: float, pairs: int) -> None:
     os._exit(0)  # no interpreter finalization with gloo's threads alive (pytorch/pytorch#179291)
 
 
+def asan_library() -> Path | None:
+    """gcc's ``libasan.so`` (resolved), or None when gcc or its libasan is missing."""
+    try:
+        found = subprocess.run(["gcc", "-print-file-name=libasan.so"], capture_output=True, text=True)
+    except FileNotFoundError:
+        return None
+    lib = Path(found.stdout.strip())
+    return lib.resolve() if found.returncode == 0 and lib.is_absolute() and lib.exists() else None
+
+
 def build_chaos(directory: Path) -> Path:
     lib = directory / "libchaos.so"
     cmd = ["gcc", "-O2", "-shared", "-fPIC", "-o", str(lib), str(CHAOS_SOURCE), "-ldl"]
@@ -98,13 +108,10 @@ def arm_env(check: str, chaos: tuple[int, int], chaos_lib: Path | None) -> dict[
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     preload = [str(chaos_lib)] if chaos_lib else []
     if check == "asan":
-        asan = subprocess.run(
-            ["gcc", "-print-file-name=libasan.so"], capture_output=True, text=True, check=False
-        )
-        lib = asan.stdout.strip()
-        if asan.returncode != 0 or not Path(lib).exists():
+        lib = asan_library()
+        if lib is None:
             raise SystemExit("--check asan needs gcc's libasan (apt-get install gcc)")
-        preload.append(str(Path(lib).resolve()))
+        preload.append(str(lib))
         env["ASAN_OPTIONS"] = ASAN_OPTIONS
     else:
         env["MALLOC_PERTURB_"] = "90"

@@ -83,7 +83,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
 from e2e_bands import BANDS, _stable, read_metrics  # noqa: E402  (bench scripts run as files, not a package)
-from gloo_worker_race import build_chaos  # noqa: E402
+from gloo_worker_race import asan_library, build_chaos  # noqa: E402
 
 DEFAULT_LAYOUTS = "u2r2,u4r1,u1r4,dp2xu2"
 MALLOC_DEBUG = ("/usr/lib/x86_64-linux-gnu/libc_malloc_debug.so.0", "/lib64/libc_malloc_debug.so.0")
@@ -174,14 +174,13 @@ def check_env(check: str, perturb: int, log_stem: Path) -> dict[str, str]:
         env = {"MALLOC_CHECK_": "3", "MALLOC_PERTURB_": str(perturb)}
         # glibc >= 2.34 reads MALLOC_CHECK_ only with its debug allocator preloaded.
         return {**env, "LD_PRELOAD": lib} if lib else env
-    asan = subprocess.run(["gcc", "-print-file-name=libasan.so"], capture_output=True, text=True, check=False)
-    lib = asan.stdout.strip() if asan.returncode == 0 else ""
-    if not lib or not Path(lib).exists():
+    lib = asan_library()
+    if lib is None:
         raise SystemExit(
             "--check asan needs gcc's libasan (apt-get install gcc); `gcc -print-file-name=libasan.so`"
         )
     return {
-        "LD_PRELOAD": str(Path(lib).resolve()),
+        "LD_PRELOAD": str(lib),
         "ASAN_OPTIONS": f"{ASAN_OPTIONS}:log_path={log_stem}.asan",
     }
 

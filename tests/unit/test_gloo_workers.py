@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -24,16 +23,7 @@ import gloo_worker_race  # noqa: E402
 from miles.parallel.gloo import GLOO_WORKERS_ENV, gloo_workers  # noqa: E402
 
 
-def _has_asan() -> bool:
-    if shutil.which("gcc") is None:
-        return False
-    lib = subprocess.run(
-        ["gcc", "-print-file-name=libasan.so"], capture_output=True, text=True
-    ).stdout.strip()
-    return Path(lib).exists()
-
-
-@pytest.mark.skipif(not _has_asan(), reason="needs gcc and its libasan")
+@pytest.mark.skipif(gloo_worker_race.asan_library() is None, reason="needs gcc and its libasan")
 def test_torchs_two_gloo_workers_write_after_free_and_one_worker_does_not(tmp_path):
     # torch's default aborts within seconds (3.5-5.6 s in docs/bench/gloo_worker_race_asan_cpu.json):
     # it gets 40 s so that a slow machine does not make the test flaky; the fix runs 8 s clean.
